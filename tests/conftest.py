@@ -1,0 +1,21 @@
+import os
+from pathlib import Path
+
+import pytest
+
+# One cache for tiny models across the test session (CI: a fresh dir per clone).
+os.environ.setdefault("VLLM_EVICT_CACHE", str(Path(__file__).resolve().parent.parent / ".cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> Path:
+    from vllm_evict.testing.tiny_models import ensure_tiny_model
+
+    return ensure_tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2() -> Path:
+    from vllm_evict.testing.tiny_models import ensure_tiny_model
+
+    return ensure_tiny_model("qwen2")

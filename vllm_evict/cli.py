@@ -1,0 +1,37 @@
+"""`vllm-evict` command line: each subcommand lives in the module that owns it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# subcommand -> module exposing `register(subparsers)`; each registers a parser with `func=` set
+SUBCOMMAND_MODULES = (
+    "server.cli",                 # serve
+    "vllm_evict.bench.eval_cli",  # eval
+    "vllm_evict.models",          # prepare-model
+    "vllm_evict.testing.tiny_models",  # make-tiny
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-evict", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue  # subcommand not built yet
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

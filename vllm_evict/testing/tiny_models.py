@@ -1,0 +1,145 @@
+"""Small HF-format checkpoints that vLLM loads, built locally (no model hub).
+
+`ensure_tiny_model("llama"|"qwen2")` writes a GQA model (4 query / 2 KV heads, head_dim 64, random
+weights from a fixed seed) with a byte-level BPE tokenizer trained with `tokenizers` and a ChatML
+chat template. `write_real_config("llama-3.1-8b"|"qwen2.5-7b")` writes only config + tokenizer for
+`load_format="dummy"` runs with real shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_VERSION = 1  # bump when the recipe changes so caches rebuild
+
+TINY_SHAPES = {
+    "llama": dict(num_hidden_layers=3, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64),
+    "qwen2": dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  num_key_value_heads=2),
+}
+
+REAL_CONFIGS = {
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        hidden_act="silu", tie_word_embeddings=False, torch_dtype="bfloat16",
+        bos_token_id=128000, eos_token_id=128001),
+    "qwen2.5-7b": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584, intermediate_size=18944,
+        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu",
+        tie_word_embeddings=False, torch_dtype="bfloat16", use_sliding_window=False,
+        bos_token_id=151643, eos_token_id=151645),
+}
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("VLLM_EVICT_CACHE", Path.home() / ".cache" / "vllm-evict")) / "models"
+
+
+def _training_text() -> list[str]:
+    words = ("the a an of to in is was for on with as by at from key value pass number city river "
+             "blue green red sky grass sun moon code token cache page head layer attention query "
+             "memory model request budget policy evict keep score window prompt answer question").split()
+    lines = []
+    for i in range(400):
+        lines.append(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(12)) + f" {i} {i * 37 % 1000}.")
+    return lines + [str(d) for d in range(10)] * 10
+
+
+def _build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_training_text(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", unk_token=None)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.model_max_length = 4096
+    return fast
+
+
+def _config(kind: str, vocab_size: int, tok):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=vocab_size, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                  pad_token_id=tok.pad_token_id, torch_dtype="float32", **TINY_SHAPES[kind])
+    if kind == "llama":
+        return LlamaConfig(**common)
+    return Qwen2Config(use_sliding_window=False, **common)
+
+
+def ensure_tiny_model(kind: str = "llama", cache_dir: str | Path | None = None, seed: int = 0) -> Path:
+    """Build (once) and return the directory of a tiny random-weight `kind` model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if kind not in TINY_SHAPES:
+        raise ValueError(f"unknown tiny model kind {kind!r}; choose from {sorted(TINY_SHAPES)}")
+    path = Path(cache_dir or default_cache_dir()) / f"tiny-{kind}-v{TINY_VERSION}-s{seed}"
+    if (path / "READY").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    tok = _build_tokenizer(vocab_size=1024)
+    vocab_size = len(tok)
+    config = _config(kind, vocab_size, tok)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger-than-default weights give peaked, input-dependent attention
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.setdefault("rope_theta", 10000.0)  # transformers 5 may write only rope_parameters
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    (path / "READY").write_text("ok\n")
+    return path
+
+
+def write_real_config(name: str, cache_dir: str | Path | None = None) -> Path:
+    """Config + a tiny tokenizer of a real model, for `load_format="dummy"` runs at its real shape."""
+    if name not in REAL_CONFIGS:
+        raise ValueError(f"unknown real config {name!r}; choose from {sorted(REAL_CONFIGS)}")
+    path = Path(cache_dir or default_cache_dir()) / f"dummy-{name}"
+    path.mkdir(parents=True, exist_ok=True)
+    tok = _build_tokenizer(vocab_size=1024)
+    tok.save_pretrained(path)
+    cfg = dict(REAL_CONFIGS[name])
+    cfg["bos_token_id"], cfg["eos_token_id"] = tok.bos_token_id, tok.eos_token_id
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("make-tiny", help="build a tiny local model (or a real model's config)")
+    p.add_argument("kind", nargs="?", default="llama", help=f"{sorted(TINY_SHAPES)} or {sorted(REAL_CONFIGS)}")
+    p.add_argument("--cache-dir", default=None)
+    p.set_defaults(func=_cli)
+
+
+def _cli(args: argparse.Namespace) -> int:
+    if args.kind in REAL_CONFIGS:
+        print(write_real_config(args.kind, args.cache_dir))
+    else:
+        print(ensure_tiny_model(args.kind, args.cache_dir))
+    return 0
