@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-EXTRA_ARGS_KEY = "vllm_evict"
+from vllm_evict.engine.request_config import EXTRA_ARGS_KEY  # noqa: E402
 
 
 def engine_kwargs(**user_kwargs: Any) -> dict[str, Any]:
@@ -16,6 +16,12 @@ def engine_kwargs(**user_kwargs: Any) -> dict[str, Any]:
 
     check_vllm_version()
     kwargs = dict(user_kwargs)
+    import torch
+
+    # The CPU platform forces synchronous scheduling; GPU keeps vLLM's async scheduler.
+    async_default = torch.cuda.is_available() and kwargs.get("async_scheduling", True) is not False
+    kwargs.setdefault("scheduler_cls", "vllm_evict.engine.scheduler."
+                      + ("AsyncEvictionScheduler" if async_default else "EvictionScheduler"))
     return kwargs
 
 

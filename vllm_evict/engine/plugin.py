@@ -9,7 +9,37 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    _registered = True
     from vllm_evict._version_check import check_vllm_version
 
     check_vllm_version()
-    _registered = True
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if current_platform.is_cpu():
+        register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_evict.engine.cpu_backend.EvictCPUAttentionBackend")
+    from vllm_evict.engine.worker import install_runner_hooks
+
+    install_runner_hooks()
+    _install_request_validation()
+
+
+def _install_request_validation() -> None:
+    """Reject bad eviction parameters in the API process (a 400 from the OpenAI server, a ValueError
+    from `LLM.generate`) so they never reach the engine core."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from vllm_evict.engine.request_config import parse_request
+
+    if getattr(InputProcessor, "_vllm_evict_validates", False):
+        return
+    original = InputProcessor._validate_params
+
+    def _validate_params(self, params, *args, **kwargs):
+        original(self, params, *args, **kwargs)
+        extra_args = getattr(params, "extra_args", None)
+        if extra_args:
+            parse_request(extra_args)
+
+    InputProcessor._validate_params = _validate_params
+    InputProcessor._vllm_evict_validates = True

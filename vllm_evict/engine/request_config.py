@@ -1,0 +1,80 @@
+"""A request's eviction parameters as both the scheduler and the worker read them.
+
+Both processes derive everything (eviction point E, pages per head P) from the request alone, so the
+scheduler never waits for a report from the worker.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from vllm_evict.policies import EvictionConfig
+
+EXTRA_ARGS_KEY = "vllm_evict"
+# Engine-level default for requests that say nothing (e.g. `{"policy": "snapkv", "budget": 0.2}` as JSON).
+DEFAULT_ENV = "VLLM_EVICT_DEFAULT"
+
+
+@dataclass(frozen=True)
+class RequestEviction:
+    """What one request asked for. `evict_at` = tokens of the prompt prefix to compress (None = whole prompt):
+    the rest of the prompt (e.g. a question) is prefilled after eviction and attends to the kept cache."""
+
+    config: EvictionConfig
+    evict_at: int | None = None
+
+    def eviction_point(self, num_prompt_tokens: int) -> int:
+        if self.evict_at is None:
+            return num_prompt_tokens
+        return min(self.evict_at, num_prompt_tokens)
+
+    def pages_per_head(self, num_prompt_tokens: int, page_size: int) -> int | None:
+        """P, or None when this request evicts nothing."""
+        return self.config.num_pages(self.eviction_point(num_prompt_tokens), page_size)
+
+
+def _from_mapping(spec: Mapping[str, Any]) -> RequestEviction | None:
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"{EXTRA_ARGS_KEY} must be an object, got {type(spec).__name__}")
+    spec = dict(spec)
+    evict_at = spec.pop("evict_at", None)
+    if evict_at is not None and (isinstance(evict_at, bool) or not isinstance(evict_at, int) or evict_at < 1):
+        raise ValueError(f"evict_at must be a positive integer (prompt tokens), got {evict_at!r}")
+    config = EvictionConfig.from_dict(spec)
+    return None if config is None else RequestEviction(config, evict_at)
+
+
+def parse_request(extra_args: Mapping[str, Any] | None) -> RequestEviction | None:
+    """Eviction requested by `SamplingParams.extra_args` (nested or flat `eviction_*` keys), else the
+    engine default from $VLLM_EVICT_DEFAULT, else None. Raises ValueError naming the bad field."""
+    extra_args = extra_args or {}
+    if EXTRA_ARGS_KEY in extra_args:
+        return _from_mapping(extra_args[EXTRA_ARGS_KEY])
+    if any(str(k).startswith("eviction_") for k in extra_args):
+        flat = dict(extra_args)
+        evict_at = flat.pop("eviction_evict_at", None)
+        config = EvictionConfig.from_flat(flat)
+        if config is None:
+            return None
+        spec = config.to_dict()
+        if evict_at is not None:
+            spec["evict_at"] = int(evict_at)
+        return _from_mapping(spec)
+    default = os.environ.get(DEFAULT_ENV)
+    if default:
+        import json
+
+        return _from_mapping(json.loads(default))
+    return None
+
+
+def parse_request_or_none(extra_args: Mapping[str, Any] | None) -> RequestEviction | None:
+    """parse_request for places that must never raise (engine core, worker): invalid -> None.
+
+    Invalid requests are rejected earlier, in the API process (see plugin._validate_eviction_params)."""
+    try:
+        return parse_request(extra_args)
+    except ValueError:
+        return None

@@ -1,0 +1,193 @@
+"""Scheduler / KV-cache-manager side of end-of-prefill eviction.
+
+Accounting (no worker report needed): a request that evicts at prompt position E with P pages per KV
+head keeps exactly P*H_kv head-pages per layer, i.e. exactly P blocks, because a block holds one page
+of every KV head. So after compaction it needs `P + cdiv(tokens after E, block_size)` blocks.
+
+Life of an evicting request, as the scheduler sees it:
+1. Prefix-cache hits are capped at E - w so the worker computes the window queries itself.
+2. Prefill chunks are cut so one chunk ends exactly at E.
+3. When that chunk is scheduled, P fresh (never hashed, never shared) blocks are allocated with it and
+   sent to the worker after the prompt blocks; the worker compacts the kept pages into them at the end
+   of that step, layer by layer. The scheduler then immediately swaps the request's block list to the
+   fresh blocks and frees the prompt blocks (they stay valid prefix-cache entries: compaction never
+   writes them). Later steps run after this one, so a freed block is reused only after it was read.
+4. From then on the manager sees the request with `removed = E - P*block_size` fewer computed tokens
+   (positions and RoPE stay semantic on the worker) and never hashes its blocks again.
+Preemption frees everything; the recompute evicts again at the same point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from vllm_evict.engine.request_config import EXTRA_ARGS_KEY, RequestEviction, parse_request_or_none
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class SchedulerEviction:
+    request: RequestEviction
+    evict_at: int          # E
+    pages: int             # P
+    window: int            # w: window queries the worker must compute itself
+    compacted: bool = False
+    removed: int = 0       # E - P*block_size once compacted
+    blocks_before: int = 0
+    prompt_tokens: int = 0
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+class EvictionKVCacheManager(KVCacheManager):
+    """KVCacheManager that knows which requests evict. Installed on the scheduler's manager instance."""
+
+    evictions: dict[str, SchedulerEviction]
+    page_size: int
+
+    def get_computed_blocks(self, request):
+        blocks, num_hits, *rest = super().get_computed_blocks(request)
+        ev = self.evictions.get(request.request_id)
+        if ev is None or ev.compacted or num_hits == 0:
+            return (blocks, num_hits, *rest)
+        limit = max(0, ev.evict_at - ev.window) // self.page_size * self.page_size
+        if num_hits > limit:
+            keep = limit // self.page_size
+            blocks = KVCacheBlocks(tuple(list(group[:keep]) for group in blocks.blocks))
+            num_hits = limit
+        return (blocks, num_hits, *rest)
+
+    def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
+                       num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False,
+                       num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0,
+                       has_scheduled_reqs=True):
+        ev = self.evictions.get(request.request_id)
+        kwargs = dict(num_new_computed_tokens=num_new_computed_tokens, new_computed_blocks=new_computed_blocks,
+                      num_lookahead_tokens=num_lookahead_tokens,
+                      num_external_computed_tokens=num_external_computed_tokens,
+                      delay_cache_blocks=delay_cache_blocks, num_encoder_tokens=num_encoder_tokens,
+                      full_sequence_must_fit=full_sequence_must_fit, reserved_blocks=reserved_blocks,
+                      has_scheduled_reqs=has_scheduled_reqs)
+        if ev is None:
+            return super().allocate_slots(request, num_new_tokens, **kwargs)
+        if ev.compacted:
+            # Physical accounting: the manager sees the compacted length; never hash compacted blocks.
+            kwargs["delay_cache_blocks"] = True
+            request.num_computed_tokens -= ev.removed
+            try:
+                return super().allocate_slots(request, num_new_tokens, **kwargs)
+            finally:
+                request.num_computed_tokens += ev.removed
+        chunk_end = (request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
+                     + num_new_tokens)
+        if chunk_end != ev.evict_at:
+            return super().allocate_slots(request, num_new_tokens, **kwargs)
+        # The chunk that ends at E: allocate it together with P fresh destination blocks.
+        kwargs["reserved_blocks"] = reserved_blocks + ev.pages
+        new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
+        if new_blocks is None:
+            return None
+        fresh = self.block_pool.get_new_blocks(ev.pages)
+        manager = self.coordinator.single_type_managers[0]
+        prompt_blocks = manager.req_to_blocks[request.request_id]
+        ev.blocks_before = len(prompt_blocks)
+        manager.req_to_blocks[request.request_id] = list(fresh)
+        manager.num_cached_block[request.request_id] = len(fresh)
+        # Freed now, read by the worker in this step; any reuse happens in a later step.
+        self.block_pool.free_blocks(reversed(prompt_blocks))
+        ev.compacted = True
+        ev.removed = ev.evict_at - ev.pages * self.page_size
+        return KVCacheBlocks((list(new_blocks.blocks[0]) + list(fresh),))
+
+
+class _EvictionSchedulerMixin:
+    """Adds eviction bookkeeping to vLLM's Scheduler (sync) or AsyncScheduler."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        groups = self.kv_cache_config.kv_cache_groups
+        self.eviction_enabled = len(groups) == 1 and isinstance(groups[0].kv_cache_spec, FullAttentionSpec) \
+            and getattr(groups[0].kv_cache_spec, "sliding_window", None) is None
+        if not self.eviction_enabled:
+            logger.warning("vllm-evict: eviction disabled (needs one full-attention KV cache group)")
+        self.evictions: dict[str, SchedulerEviction] = {}
+        manager = self.kv_cache_manager
+        manager.__class__ = EvictionKVCacheManager
+        manager.evictions = self.evictions
+        manager.page_size = self.block_size
+        # Chunk boundaries at the eviction point go through vLLM's block-aligned-split hook.
+        self._vllm_needs_mamba_split = self.need_mamba_block_aligned_split
+        self.need_mamba_block_aligned_split = True
+
+    # -- request lifecycle -------------------------------------------------------------------------
+    def add_request(self, request) -> None:
+        super().add_request(request)
+        if not self.eviction_enabled or request.sampling_params is None:
+            return
+        spec = parse_request_or_none(request.sampling_params.extra_args)
+        if spec is None:
+            return
+        evict_at = spec.eviction_point(request.num_prompt_tokens)
+        pages = spec.config.num_pages(evict_at, self.block_size)
+        if pages is None:
+            return
+        self.evictions[request.request_id] = SchedulerEviction(
+            request=spec, evict_at=evict_at, pages=pages, window=spec.config.window_size(),
+            prompt_tokens=request.num_prompt_tokens)
+
+    def _mamba_block_aligned_split(self, request, num_new_tokens, num_new_local_computed_tokens=0,
+                                   num_external_computed_tokens=0):
+        if self._vllm_needs_mamba_split:
+            num_new_tokens = super()._mamba_block_aligned_split(
+                request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)
+        ev = self.evictions.get(request.request_id)
+        if ev is None or ev.compacted:
+            return num_new_tokens
+        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        return min(num_new_tokens, max(ev.evict_at - start, 0)) if start < ev.evict_at else num_new_tokens
+
+    def _preempt_request(self, request, timestamp) -> None:
+        super()._preempt_request(request, timestamp)
+        ev = self.evictions.get(request.request_id)
+        if ev is not None:  # everything was freed; the recompute evicts again at the same point
+            ev.compacted, ev.removed = False, 0
+
+    def _free_request(self, request, delay_free_blocks: bool = False):
+        kv_xfer_params, ec_xfer_params = super()._free_request(request, delay_free_blocks)
+        ev = self.evictions.pop(request.request_id, None)
+        if ev is not None and ev.compacted:
+            kv_xfer_params = dict(kv_xfer_params or {})
+            kv_xfer_params[EXTRA_ARGS_KEY] = self._report(ev)
+        return kv_xfer_params, ec_xfer_params
+
+    def _report(self, ev: SchedulerEviction) -> dict[str, Any]:
+        config = ev.request.config
+        return {
+            "policy": config.policy,
+            "allocation": config.allocation,
+            "budget": config.budget,
+            "prompt_tokens": ev.prompt_tokens,
+            "evicted_prefix_tokens": ev.evict_at,
+            "pages_per_head": ev.pages,
+            # Average over layers and heads: every layer holds exactly P*H_kv pages; a head keeps whole
+            # pages unless it keeps its whole prefix, so this is exact up to that partial last page.
+            "kept_tokens_per_head": min(ev.pages * self.block_size, ev.evict_at),
+            "blocks_before": ev.blocks_before,
+            "blocks_after": ev.pages,
+            "blocks_freed": ev.blocks_before - ev.pages,
+        }
+
+
+class EvictionScheduler(_EvictionSchedulerMixin, Scheduler):
+    pass
+
+
+class AsyncEvictionScheduler(_EvictionSchedulerMixin, AsyncScheduler):
+    pass

@@ -1,0 +1,196 @@
+"""Worker side: per-request eviction state, the per-step plan the attention backend reads, and the
+model-runner hooks that keep the runner's block table in step with the scheduler's block swap.
+
+The runner hooks wrap three `GPUModelRunner` methods (the CPU runner inherits them):
+- `_update_states`: drop state of finished/resumed requests; after a compaction step, strip the
+  prompt blocks from the request's block-table row (the scheduler already freed them).
+- `_prepare_inputs`: build the StepPlan for this batch (row order is final here).
+- `execute_model`: clear the plan when the forward is done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from vllm.logger import init_logger
+
+from vllm_evict.engine.compaction import LayerCompaction
+from vllm_evict.engine.request_config import RequestEviction, parse_request_or_none
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class WorkerEviction:
+    spec: RequestEviction
+    evict_at: int                       # E
+    pages: int                          # P
+    window: int                         # w
+    q_window: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [w, Hq, D]
+    layers: dict[int, LayerCompaction] = field(default_factory=dict)  # filled during the compaction step
+    compacted: bool = False             # True from the step after compaction
+    prompt_blocks: int = 0              # cdiv(E, page_size): prompt blocks before the P fresh ones
+
+
+@dataclass
+class Capture:
+    state: WorkerEviction
+    token_start: int     # first batch token to copy
+    count: int
+    window_offset: int   # row in q_window
+
+
+@dataclass
+class StepPlan:
+    num_reqs: int
+    states: list[WorkerEviction | None]     # per batch row
+    captures: list[Capture]
+    compacting: list[int]                    # rows whose chunk ends at their eviction point
+    compacted_rows: list[int]                # rows already compacted (per-head attention needed)
+    page_size: int
+    layer_cache: dict = field(default_factory=dict)
+
+    @property
+    def per_head(self) -> bool:
+        return bool(self.compacted_rows)
+
+
+class WorkerEvictionState:
+    """All eviction state of one worker process."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, WorkerEviction] = {}
+        self.unevicting: set[str] = set()
+        self.pending_strip: dict[str, WorkerEviction] = {}
+        self.plan: StepPlan | None = None
+
+    def _state_for(self, runner, req_id: str) -> WorkerEviction | None:
+        if req_id in self.unevicting:
+            return None
+        state = self.requests.get(req_id)
+        if state is not None:
+            return state
+        req = runner.requests[req_id]
+        spec = parse_request_or_none(req.sampling_params.extra_args if req.sampling_params else None)
+        page_size = runner.cache_config.block_size
+        num_prompt = req.num_prompt_tokens
+        pages = spec.pages_per_head(num_prompt, page_size) if spec is not None else None
+        if pages is None:
+            self.unevicting.add(req_id)
+            return None
+        evict_at = spec.eviction_point(num_prompt)
+        state = WorkerEviction(spec=spec, evict_at=evict_at, pages=pages, window=spec.config.window_size(),
+                               prompt_blocks=-(-evict_at // page_size))
+        self.requests[req_id] = state
+        return state
+
+    def _forget(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+        self.unevicting.discard(req_id)
+        self.pending_strip.pop(req_id, None)
+
+    def before_update_states(self, runner, scheduler_output) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self._forget(req_id)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id in getattr(cached, "resumed_req_ids", ()) or ():
+            self._forget(req_id)   # preempted: blocks are new, the recompute evicts again
+        for req_id in list(scheduler_output.num_scheduled_tokens):
+            if req_id in self.requests and req_id not in runner.requests:
+                self._forget(req_id)  # a new request reusing the id of an aborted one
+        for req_id, state in self.pending_strip.items():
+            req = runner.requests.get(req_id)
+            if req is None:
+                continue
+            req.block_ids = (req.block_ids[0][state.prompt_blocks:],) + tuple(req.block_ids[1:])
+            row = runner.input_batch.req_id_to_index.get(req_id)
+            if row is not None:
+                runner.input_batch.block_table.add_row(req.block_ids, row)
+            state.compacted = True
+            state.q_window.clear()
+        self.pending_strip.clear()
+
+    def build_plan(self, runner, scheduler_output) -> None:
+        batch = runner.input_batch
+        num_reqs = batch.num_reqs
+        states: list[WorkerEviction | None] = []
+        captures: list[Capture] = []
+        compacting: list[int] = []
+        compacted_rows: list[int] = []
+        token_start = 0
+        for row, req_id in enumerate(batch.req_ids[:num_reqs]):
+            count = scheduler_output.num_scheduled_tokens[req_id]
+            state = self._state_for(runner, req_id)
+            states.append(state)
+            if state is not None:
+                computed = int(batch.num_computed_tokens_cpu[row])
+                if state.compacted:
+                    compacted_rows.append(row)
+                else:
+                    lo = max(computed, state.evict_at - state.window)
+                    hi = min(computed + count, state.evict_at)
+                    if hi > lo:
+                        captures.append(Capture(state, token_start + lo - computed, hi - lo,
+                                                lo - (state.evict_at - state.window)))
+                    if computed + count == state.evict_at:
+                        compacting.append(row)
+                        self.pending_strip[req_id] = state
+                    elif computed + count > state.evict_at:
+                        logger.error("vllm-evict: request %s passed its eviction point without a chunk "
+                                     "boundary there; not evicting it", req_id)
+                        self.requests.pop(req_id)
+                        self.unevicting.add(req_id)
+                        states[-1] = None
+            token_start += count
+        self.plan = StepPlan(num_reqs=num_reqs, states=states, captures=captures, compacting=compacting,
+                             compacted_rows=compacted_rows, page_size=runner.cache_config.block_size)
+
+    def end_step(self) -> None:
+        self.plan = None
+
+
+STATE = WorkerEvictionState()
+
+
+def install_runner_hooks() -> None:
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner, "_vllm_evict_hooked", False):
+        return
+
+    orig_update = GPUModelRunner._update_states
+    orig_prepare = GPUModelRunner._prepare_inputs
+    orig_execute = GPUModelRunner.execute_model
+    orig_block_table_init = MultiGroupBlockTable.__init__
+
+    def _update_states(self, scheduler_output):
+        STATE.before_update_states(self, scheduler_output)
+        return orig_update(self, scheduler_output)
+
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        result = orig_prepare(self, scheduler_output, *args, **kwargs)
+        STATE.build_plan(self, scheduler_output)
+        return result
+
+    def execute_model(self, *args, **kwargs):
+        try:
+            return orig_execute(self, *args, **kwargs)
+        finally:
+            STATE.end_step()
+
+    def block_table_init(self, *args, **kwargs):
+        # During the compaction step a row holds the prompt blocks plus the P fresh ones.
+        if "max_num_blocks" in kwargs:
+            kwargs["max_num_blocks"] = [2 * n for n in kwargs["max_num_blocks"]]
+        else:
+            args = list(args)
+            args[6] = [2 * n for n in args[6]]
+        orig_block_table_init(self, *args, **kwargs)
+
+    GPUModelRunner._update_states = _update_states
+    GPUModelRunner._prepare_inputs = _prepare_inputs
+    GPUModelRunner.execute_model = execute_model
+    MultiGroupBlockTable.__init__ = block_table_init
+    GPUModelRunner._vllm_evict_hooked = True
