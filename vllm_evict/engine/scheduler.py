@@ -39,6 +39,7 @@ class SchedulerEviction:
     evict_at: int          # E
     pages: int             # P
     window: int            # w: window queries the worker must compute itself
+    swap_pending: bool = False
     compacted: bool = False
     removed: int = 0       # E - P*block_size once compacted
     blocks_before: int = 0
@@ -96,15 +97,24 @@ class EvictionKVCacheManager(KVCacheManager):
             return None
         fresh = self.block_pool.get_new_blocks(ev.pages)
         manager = self.coordinator.single_type_managers[0]
-        prompt_blocks = manager.req_to_blocks[request.request_id]
+        manager.req_to_blocks[request.request_id].extend(fresh)
+        ev.swap_pending = True  # swapped in _update_after_schedule, once this step's block ids are sent
+        return KVCacheBlocks((list(new_blocks.blocks[0]) + list(fresh),))
+
+    def swap_to_compacted(self, request_id: str, ev: SchedulerEviction) -> None:
+        """After the compaction step was scheduled: keep only the P fresh blocks, free the prompt blocks.
+
+        Freed now, read by the worker in the step just scheduled; any reuse happens in a later step."""
+        manager = self.coordinator.single_type_managers[0]
+        blocks = manager.req_to_blocks[request_id]
+        prompt_blocks, fresh = blocks[: -ev.pages], blocks[-ev.pages:]
         ev.blocks_before = len(prompt_blocks)
-        manager.req_to_blocks[request.request_id] = list(fresh)
-        manager.num_cached_block[request.request_id] = len(fresh)
-        # Freed now, read by the worker in this step; any reuse happens in a later step.
+        manager.req_to_blocks[request_id] = fresh
+        manager.num_cached_block[request_id] = len(fresh)
         self.block_pool.free_blocks(reversed(prompt_blocks))
+        ev.swap_pending = False
         ev.compacted = True
         ev.removed = ev.evict_at - ev.pages * self.page_size
-        return KVCacheBlocks((list(new_blocks.blocks[0]) + list(fresh),))
 
 
 class _EvictionSchedulerMixin:
@@ -148,7 +158,7 @@ class _EvictionSchedulerMixin:
             num_new_tokens = super()._mamba_block_aligned_split(
                 request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)
         ev = self.evictions.get(request.request_id)
-        if ev is None or ev.compacted:
+        if ev is None or ev.compacted or ev.swap_pending:
             return num_new_tokens
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
         return min(num_new_tokens, max(ev.evict_at - start, 0)) if start < ev.evict_at else num_new_tokens
@@ -157,7 +167,14 @@ class _EvictionSchedulerMixin:
         super()._preempt_request(request, timestamp)
         ev = self.evictions.get(request.request_id)
         if ev is not None:  # everything was freed; the recompute evicts again at the same point
-            ev.compacted, ev.removed = False, 0
+            ev.compacted, ev.swap_pending, ev.removed = False, False, 0
+
+    def _update_after_schedule(self, scheduler_output) -> None:
+        super()._update_after_schedule(scheduler_output)
+        for req_id in scheduler_output.num_scheduled_tokens:
+            ev = self.evictions.get(req_id)
+            if ev is not None and ev.swap_pending:
+                self.kv_cache_manager.swap_to_compacted(req_id, ev)
 
     def _free_request(self, request, delay_free_blocks: bool = False):
         kv_xfer_params, ec_xfer_params = super()._free_request(request, delay_free_blocks)

@@ -1,0 +1,133 @@
+"""Independent reference for engine exactness tests: a plain torch decoder loop over an HF Llama/Qwen2
+checkpoint that evicts with the engine-free policy code and decodes over kept tokens only.
+
+No vLLM code is involved: attention is explicit softmax over per-head key lists, RoPE comes from the
+HF model, positions stay the original ones (kept keys are not re-rotated; new tokens continue at n).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_evict.policies import EvictionConfig, score_tokens, select_tokens
+
+
+@dataclass
+class ReferenceResult:
+    token_ids: list[int]
+    logprobs: list[float]          # log-softmax of the chosen token at each step
+    kept_per_layer: list[list[int]]  # kept tokens per KV head, per layer
+
+
+class ReferenceDecoder:
+    def __init__(self, model_dir, dtype=torch.float32):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        cfg = self.model.config
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scale = self.head_dim ** -0.5
+
+    def _rope(self, q, k, positions):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        cos, sin = self.model.model.rotary_emb(q, positions.unsqueeze(0))
+        # q, k: [T, H, D] -> HF layout [1, H, T, D]
+        q, k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        return q[0].transpose(0, 1), k[0].transpose(0, 1)
+
+    def _layer_qkv(self, layer, hidden, positions):
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        T = x.shape[0]
+        q = attn.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = attn.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k = self._rope(q, k, positions)
+        return q, k, v
+
+    def _finish_layer(self, layer, hidden, attn_out):
+        hidden = hidden + layer.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def _attend(self, q, keys, values, causal_offset: int | None):
+        """q [T, Hq, D]; keys/values per KV head: lists of [L_h, D]. With causal_offset, query t sees
+        the first causal_offset + t + 1 keys of every head (prefill); else all keys (decode)."""
+        g = self.num_heads // self.num_kv_heads
+        out = torch.empty_like(q)
+        for h in range(self.num_kv_heads):
+            qh = q[:, h * g: (h + 1) * g]                          # [T, g, D]
+            logits = torch.einsum("tgd,ld->tgl", qh, keys[h]) * self.scale
+            if causal_offset is not None:
+                T, L = q.shape[0], keys[h].shape[0]
+                mask = torch.arange(L)[None, :] > (causal_offset + torch.arange(T))[:, None]
+                logits = logits.masked_fill(mask[:, None, :], float("-inf"))
+            out[:, h * g: (h + 1) * g] = torch.einsum("tgl,ld->tgd", logits.softmax(-1), values[h])
+        return out
+
+    @torch.no_grad()
+    def prefill(self, prefix_ids: list[int]):
+        """Full causal attention over the prefix: per layer (q, k, v) post-RoPE, and the last hidden state."""
+        model = self.model.model
+        positions = torch.arange(len(prefix_ids))
+        hidden = model.embed_tokens(torch.tensor(prefix_ids))
+        per_layer = []
+        for layer in model.layers:
+            q, k, v = self._layer_qkv(layer, hidden, positions)
+            keys = [k[:, h] for h in range(self.num_kv_heads)]
+            values = [v[:, h] for h in range(self.num_kv_heads)]
+            hidden = self._finish_layer(layer, hidden, self._attend(q, keys, values, causal_offset=0))
+            per_layer.append((q, k, v))
+        return per_layer, hidden[-1:]
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_tokens: int, config: EvictionConfig | None = None,
+                 evict_at: int | None = None, page_size: int = 16, prefill=None) -> ReferenceResult:
+        """Greedy tokens when the KV of prompt_ids[:evict_at] (default: the whole prompt) is evicted with
+        `config` at the end of its prefill. `prefill` = self.prefill(prompt_ids[:E]) may be passed to reuse it."""
+        model = self.model.model
+        n = len(prompt_ids)
+        E = n if evict_at is None else min(evict_at, n)
+        per_layer, last_hidden = prefill if prefill is not None else self.prefill(prompt_ids[:E])
+        kv = []
+        kept_per_layer = []
+        for q, k, v in per_layer:
+            keep = None
+            if config is not None and config.num_pages(E, page_size) is not None:
+                w = config.window_size()
+                scores = score_tokens(config.policy, q[E - w:] if w else q[:0], k, v, scale=self.scale,
+                                      **config.score_options())
+                keep = select_tokens(scores, config.budget, page_size=page_size, **config.select_options())
+            keys = [k[:, h] if keep is None else k[keep[h], h] for h in range(self.num_kv_heads)]
+            values = [v[:, h] if keep is None else v[keep[h], h] for h in range(self.num_kv_heads)]
+            kv.append((keys, values))
+            kept_per_layer.append([kh.shape[0] for kh in keys])
+        # Continue token by token: the rest of the prompt (if evict_at < n), then greedy decoding.
+        tokens, logprobs = [], []
+        pending = list(prompt_ids[E:])
+        pos = E
+        while len(tokens) < max_tokens:
+            if not pending:
+                logits = self.model.lm_head(model.norm(last_hidden))[0].float()
+                logp = logits.log_softmax(-1)
+                tok = int(torch.argmax(logits))
+                tokens.append(tok)
+                logprobs.append(float(logp[tok]))
+                pending = [tok]
+                if len(tokens) == max_tokens:
+                    break
+            tok = pending.pop(0)
+            hidden = model.embed_tokens(torch.tensor([tok]))
+            for layer, (keys, values) in zip(model.layers, kv):
+                q, k, v = self._layer_qkv(layer, hidden, torch.tensor([pos]))
+                for h in range(self.num_kv_heads):
+                    keys[h] = torch.cat([keys[h], k[:, h]])
+                    values[h] = torch.cat([values[h], v[:, h]])
+                hidden = self._finish_layer(layer, hidden, self._attend(q, keys, values, causal_offset=None))
+            last_hidden = hidden
+            pos += 1
+        return ReferenceResult(tokens, logprobs, kept_per_layer)
