@@ -1,0 +1,109 @@
+"""score_tokens / select_tokens: validated entry points over the policy registry."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._validate import check_gqa, check_int, check_kv, check_pool_kernel, check_queries
+from .base import Policy
+from .budget import _check_alloc, _check_scores, allocate_pages, check_budget, kept_counts
+from .caote import check_base
+from .registry import get_policy
+from .selection import keep_mask
+from .window import exact_fp32
+
+SCORE_OPTIONS = ("window", "pool_kernel", "sink", "gqa", "caote_base", "scale")
+
+
+def effective_policy(policy: str, caote_base: str = "snapkv") -> Policy:
+    """The policy whose defaults (w, kappa, sink, window protection) apply: the base for caote/fastcaote."""
+    pol = get_policy(policy)
+    if policy in ("caote", "fastcaote"):
+        return get_policy(check_base(caote_base))
+    return pol
+
+
+def score_tokens(policy: str, q_window: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor, **options: object) -> torch.Tensor:
+    """Retention scores [H_kv, n] float32 (larger = keep; protected positions = +inf).
+
+    q_window: [w, H_q, D] post-RoPE queries of the last w prompt positions (may be None or have any number of
+    rows for key-only policies keydiff/knorm/streaming, which ignore it). keys: [n, H_kv, D]; values:
+    [n, H_kv, Dv]. Any float dtype and device; computed in fp32 (TF32 off) on the input's device.
+
+    Options (defaults: the policy's SPEC §4 values):
+      window       query-based: use the last `window` rows of q_window (default: all rows, w = q rows);
+                   key-only: protect the last `window` positions (default 0).
+      pool_kernel  odd max-pool kernel (not applied by streaming).
+      sink         protect positions 0..sink-1 (clamped to n).
+      gqa          "mean" | "max" (query-based policies).
+      caote_base   base policy of caote/fastcaote (default "snapkv").
+      scale        softmax scale (default 1/sqrt(D)).
+    """
+    unknown = sorted(set(options) - set(SCORE_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown score_tokens option(s) {unknown}; known: {SCORE_OPTIONS}")
+    pol = get_policy(policy)
+    caote_base = options.get("caote_base")
+    caote_base = "snapkv" if caote_base is None else check_base(caote_base)
+    eff = effective_policy(policy, caote_base)
+    n, _ = check_kv(keys, values)
+
+    window = options.get("window")
+    if window is not None:
+        window = check_int("window", window, minimum=0)
+        if window > n:
+            raise ValueError(f"window={window} is larger than the prompt length n={n}")
+    if eff.needs_queries:
+        rows, _ = check_queries(q_window, keys)
+        assert q_window is not None
+        w = rows if window is None else window
+        if w < 1:
+            raise ValueError(f"policy {policy!r} needs at least one window query row, got window={w}")
+        if w > rows:
+            raise ValueError(f"window={w} but q_window has only {rows} rows")
+        if w > n:
+            raise ValueError(f"window w={w} (q_window rows) is larger than the prompt length n={n}")
+        q = q_window[rows - w :]
+    else:
+        w = 0 if window is None else window
+        q = q_window
+
+    pool_kernel = options.get("pool_kernel")
+    pool_kernel = eff.default_pool_kernel if pool_kernel is None else check_pool_kernel(pool_kernel)
+    if policy == "streaming":
+        pool_kernel = 1
+    sink = options.get("sink")
+    sink = eff.default_sink if sink is None else check_int("sink", sink, minimum=0)
+    gqa = options.get("gqa")
+    gqa = "mean" if gqa is None else check_gqa(gqa)
+    scale = options.get("scale")
+    if scale is None:
+        scale = 1.0 / math.sqrt(keys.shape[-1])
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < float(scale) < math.inf):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+
+    with exact_fp32(keys.device):
+        out = pol.score(q, keys, values, window=w, pool_kernel=pool_kernel, sink=sink, gqa=gqa, scale=float(scale), caote_base=caote_base)
+    return out.to(torch.float32).contiguous()
+
+
+def select_tokens(
+    scores: torch.Tensor,
+    budget: int | float,
+    *,
+    allocation: str = "uniform",
+    page_size: int = 16,
+    alpha: float = 0.2,
+) -> torch.Tensor:
+    """Kept-token mask [H_kv, n] (True = kept) for final scores [H_kv, n] (SPEC §3, §7.1).
+
+    Head i keeps its K_i = min(n, p_i * page_size) best tokens (p_i from allocate_pages; all n when nothing
+    is evicted) in a stable descending order of its scores: equal scores keep the lower position.
+    """
+    _check_scores(scores)
+    check_budget(budget)
+    _check_alloc(allocation, page_size, alpha)
+    pages = allocate_pages(scores, budget, allocation=allocation, page_size=page_size, alpha=alpha)
+    return keep_mask(scores, kept_counts(pages, scores.shape[1], page_size))

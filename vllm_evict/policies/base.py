@@ -1,0 +1,67 @@
+"""Policy base classes (kvpress `presses/` style: one small class per method, a pure `score`).
+
+`score` receives resolved options (see `vllm_evict.policies.score_tokens` for defaults/validation):
+  q_window [w, H_q, D] - exactly the w window rows for query-based policies (ignored by key-only ones)
+  keys [n, H_kv, D], values [n, H_kv, Dv] - any float dtype/device; computed in fp32 on that device
+  window - protected recent positions (= w for query-based policies; 0 unless requested for key-only)
+  pool_kernel, sink, gqa, scale, caote_base
+and returns float32 [H_kv, n] retention scores, +inf at protected positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .pooling import max_pool, protect
+from .window import raw_window_scores
+
+_FLT_MAX = torch.finfo(torch.float32).max
+
+
+class Policy:
+    name: str = ""
+    needs_queries: bool = False  # reads window queries
+    window_raw: bool = False  # raw score comes from raw_window_scores
+    default_window: int = 0  # w (SPEC §4 table); 0 = no window
+    default_pool_kernel: int = 1
+    default_sink: int = 0
+    supports_adakv: bool = True
+
+    def base_scores(self, q_window, keys, values, *, pool_kernel: int, gqa: str, scale: float, **_: object) -> torch.Tensor:
+        """Pooled score before protection, [H_kv, n] float32."""
+        raise NotImplementedError
+
+    def score(self, q_window, keys, values, *, window: int, pool_kernel: int, sink: int, gqa: str, scale: float, **kw: object) -> torch.Tensor:
+        pooled = self.base_scores(q_window, keys, values, pool_kernel=pool_kernel, gqa=gqa, scale=scale, **kw)
+        # +inf must mean "protected" only (the allocator counts +inf entries as r): saturate overflow.
+        pooled = torch.clamp(pooled, max=_FLT_MAX)
+        return protect(pooled, sink=sink, window=window)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class WindowPolicy(Policy):
+    """Query-based policy: per-query-head raw score from the window statistics, then GQA, pooling, protection."""
+
+    needs_queries = True
+    window_raw = True
+
+    def head_raw(self, st) -> torch.Tensor:
+        """Per-query-head raw score [g, n] from a WindowStats of one KV head."""
+        raise NotImplementedError
+
+    def base_scores(self, q_window, keys, values, *, pool_kernel: int, gqa: str, scale: float, **_: object) -> torch.Tensor:
+        raw = raw_window_scores(self, q_window, keys, values, scale=scale, gqa=gqa)
+        return max_pool(raw, pool_kernel)
+
+
+class KeyPolicy(Policy):
+    """Key-only policy: score [n] per KV head from that head's fp32 keys (no GQA step)."""
+
+    def key_score(self, k: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def base_scores(self, q_window, keys, values, *, pool_kernel: int, gqa: str, scale: float, **_: object) -> torch.Tensor:
+        out = torch.stack([self.key_score(keys[:, i, :].to(torch.float32)) for i in range(keys.shape[1])])
+        return max_pool(out, pool_kernel)

@@ -1,0 +1,51 @@
+"""CAOTE / FastCAOTE (SPEC §4.5): meta-score over a non-negative base policy's pooled score.
+
+h = base pooled score before protection (all n tokens of the head); h_n = h / sum(h) (1/n if the sum is 0);
+X = sum_i h_n,i v_i (caote) or mean_i v_i (fastcaote); c_j = h_n,j / (1 - h_n,j + eps) * ||X - v_j||_2.
+Then the base's protection (window, sink) applies. Window, pooling, sink and gqa are the base's.
+"""
+
+import torch
+
+from .base import Policy
+
+EPS = 1e-6
+ALLOWED_BASES = ("snapkv", "dropkv", "obcache-value", "obcache-key", "obcache-joint", "tova", "h2o")
+
+
+def check_base(base: object) -> str:
+    if base not in ALLOWED_BASES:
+        raise ValueError(f"caote_base must be one of {ALLOWED_BASES}, got {base!r}")
+    return base  # type: ignore[return-value]
+
+
+def caote_meta(h: torch.Tensor, values: torch.Tensor, *, fast: bool) -> torch.Tensor:
+    """c [H_kv, n] from base scores h [H_kv, n] (fp32) and values [n, H_kv, Dv]."""
+    n = h.shape[1]
+    out = []
+    for i in range(h.shape[0]):
+        v = values[:, i, :].to(torch.float32)
+        hi = h[i]
+        total = hi.sum()
+        hn = hi / total if bool(total > 0) else torch.full_like(hi, 1.0 / n)
+        x = v.mean(dim=0) if fast else hn @ v
+        out.append(hn / (1.0 - hn + EPS) * torch.linalg.vector_norm(x - v, dim=-1))
+    return torch.stack(out)
+
+
+class CAOTE(Policy):
+    name = "caote"
+    needs_queries = True
+    fast = False
+
+    def base_scores(self, q_window, keys, values, *, pool_kernel, gqa, scale, caote_base="snapkv", **_):
+        from .registry import get_policy
+
+        base = get_policy(check_base(caote_base))
+        h = base.base_scores(q_window, keys, values, pool_kernel=pool_kernel, gqa=gqa, scale=scale)
+        return caote_meta(h, values, fast=self.fast)
+
+
+class FastCAOTE(CAOTE):
+    name = "fastcaote"
+    fast = True

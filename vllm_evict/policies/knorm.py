@@ -1,0 +1,12 @@
+"""K-norm (SPEC §4.7): keep low-norm keys, S_j = -||k_j||_2 per KV head."""
+
+import torch
+
+from .base import KeyPolicy
+
+
+class KNorm(KeyPolicy):
+    name = "knorm"
+
+    def key_score(self, k: torch.Tensor) -> torch.Tensor:
+        return -torch.linalg.vector_norm(k, dim=-1)

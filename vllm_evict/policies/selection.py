@@ -1,0 +1,28 @@
+"""SPEC §7.1 selection: stable descending sort (ties keep the lower position); never torch.topk."""
+
+from __future__ import annotations
+
+import torch
+
+
+def stable_order(scores: torch.Tensor) -> torch.Tensor:
+    """Indices of scores [H, n] per row, in stable descending order (equal scores: lower index first)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices
+
+
+def keep_mask(scores: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Bool [H, n]: True for the kept[i] first entries of row i in stable descending order.
+
+    `kept` is an integer tensor [H] (any device) with 0 <= kept[i] <= n.
+    """
+    h, n = scores.shape
+    order = stable_order(scores)
+    kept = kept.to(device=scores.device, dtype=torch.long).view(h, 1)
+    rank_kept = torch.arange(n, device=scores.device).view(1, n) < kept
+    mask = torch.zeros((h, n), dtype=torch.bool, device=scores.device)
+    return mask.scatter_(1, order, rank_kept)
+
+
+def kept_indices(mask: torch.Tensor) -> list[torch.Tensor]:
+    """Per head, the kept positions in ascending order (the storage order of SPEC §2.1)."""
+    return [row.nonzero().flatten() for row in mask]
