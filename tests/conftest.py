@@ -19,3 +19,14 @@ def tiny_qwen2() -> Path:
     from vllm_evict.testing.tiny_models import ensure_tiny_model
 
     return ensure_tiny_model("qwen2")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run through the device tool)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

@@ -1,0 +1,45 @@
+"""Repository contracts: CI runs README's test command; the vLLM version check refuses other versions."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_commands() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    return [line.strip() for block in blocks for line in block.strip().splitlines()]
+
+
+def test_ci_runs_readme_test_command():
+    commands = readme_commands()
+    test_command = commands[1]
+    assert "pytest" in test_command
+    ci_lines = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()]
+    assert test_command in ci_lines
+    assert "bash scripts/setup.sh" in ci_lines
+    assert commands[0].startswith("bash scripts/setup.sh")
+
+
+def test_version_check_refuses_other_versions():
+    from vllm_evict._version_check import SUPPORTED_VLLM_VERSION, UnsupportedVllmVersion, check_vllm_version
+
+    assert check_vllm_version(SUPPORTED_VLLM_VERSION) == SUPPORTED_VLLM_VERSION
+    assert check_vllm_version(SUPPORTED_VLLM_VERSION + "+cpu") == SUPPORTED_VLLM_VERSION + "+cpu"
+    with pytest.raises(UnsupportedVllmVersion, match="supports vLLM 0.26.0 only.*found vLLM 0.25.1"):
+        check_vllm_version("0.25.1")
+
+
+def test_installed_vllm_is_supported():
+    from vllm_evict._version_check import check_vllm_version
+
+    assert check_vllm_version().startswith("0.26.0")
+
+
+def test_setup_pins_the_supported_version():
+    from vllm_evict._version_check import SUPPORTED_VLLM_VERSION
+
+    assert f"VLLM_VERSION={SUPPORTED_VLLM_VERSION}" in (ROOT / "scripts/setup.sh").read_text()
+    assert f'"vllm=={SUPPORTED_VLLM_VERSION}"' in (ROOT / "pyproject.toml").read_text()
