@@ -72,7 +72,7 @@ def test_compact_then_decode_matches_explicit(allocation):
     cache.write_pages(keys[token_idx, head_idx], values[token_idx, head_idx], slots)
 
     config = EvictionConfig.from_dict({"policy": "keydiff", "budget": 32})
-    state = WorkerEviction(spec=RequestEviction(config), evict_at=E, pages=P, window=0, compacted=True)
+    state = WorkerEviction(req_id="r", spec=RequestEviction(config), evict_at=E, pages=P, window=0, compacted=True)
     state.layers[0] = layout
     # one decode step at position E+3 after 3 tail tokens; tail block 40
     tail_block = 40
@@ -80,10 +80,10 @@ def test_compact_then_decode_matches_explicit(allocation):
     new_k, new_v = torch.randn(m, H, D), torch.randn(m, H, D)
     block_row = torch.tensor([[30, 31, tail_block, 0]], dtype=torch.int32)
     seq_lens = torch.tensor([E + m], dtype=torch.int32)
-    plan = StepPlan(num_reqs=1, states=[state], captures=[], compacting=[], compacted_rows=[0], page_size=N)
+    plan = StepPlan(num_reqs=1, states=[state], captures=[], compacting=[], compacted_rows=[0], page_size=N, max_blocks=4)
     tables = per_head.virtual_tables(plan, 0, block_row, seq_lens, H)
     qsl = torch.tensor([0, m], dtype=torch.int32)  # m-token chunk (causal) after compaction
-    slots_new = per_head.token_slots(tables, qsl, seq_lens, N)
+    slots_new = per_head.token_slots(tables, qsl, seq_lens, N, m)
     cache.write_pages(new_k.reshape(m * H, D), new_v.reshape(m * H, D), slots_new.reshape(-1))
 
     q = torch.randn(m, H * G, D)

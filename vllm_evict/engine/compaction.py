@@ -52,15 +52,14 @@ def compaction_slots(keep: torch.Tensor, page_counts: torch.Tensor, fresh_blocks
 
     Slots address the per-head page view: slot = page * page_size + offset."""
     num_heads = keep.shape[0]
+    device = keep.device
     head_pages = assign_head_pages(page_counts.tolist(), fresh_blocks, num_heads)
     max_p = max(len(p) for p in head_pages)
-    pages = torch.zeros(num_heads, max_p, dtype=torch.int32)
-    for h, p in enumerate(head_pages):
-        pages[h, : len(p)] = torch.tensor(p, dtype=torch.int32)
+    pages = torch.tensor([p + [0] * (max_p - len(p)) for p in head_pages], dtype=torch.int32, device=device)
     head_idx, token_idx = keep.nonzero(as_tuple=True)            # row-major: per head, ascending position
-    kept = torch.bincount(head_idx, minlength=num_heads).cpu()
+    kept = torch.bincount(head_idx, minlength=num_heads)
     first = torch.cumsum(kept, 0) - kept
-    virtual = torch.arange(head_idx.numel()) - first[head_idx.cpu()]
-    slot = pages[head_idx.cpu(), virtual // page_size].to(torch.int64) * page_size + virtual % page_size
-    layout = LayerCompaction(pages=pages, page_counts=page_counts, kept=kept)
+    virtual = torch.arange(head_idx.numel(), device=device) - first[head_idx]
+    slot = pages[head_idx, virtual // page_size].to(torch.int64) * page_size + virtual % page_size
+    layout = LayerCompaction(pages=pages, page_counts=page_counts.to(device), kept=kept)
     return layout, token_idx, head_idx, slot

@@ -13,11 +13,18 @@ def register() -> None:
     from vllm_evict._version_check import check_vllm_version
 
     check_vllm_version()
+    import os
+
+    # The runner hooks target vLLM's V1 GPU model runner (the CPU runner is V1 too).
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_evict.engine.cpu_backend.EvictCPUAttentionBackend")
+    elif current_platform.is_cuda():
+        register_backend(AttentionBackendEnum.FLASH_ATTN,
+                         "vllm_evict.engine.cuda_backend.EvictFlashAttentionBackend")
     from vllm_evict.engine.worker import install_runner_hooks
 
     install_runner_hooks()

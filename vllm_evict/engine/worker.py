@@ -23,6 +23,7 @@ logger = init_logger(__name__)
 
 @dataclass
 class WorkerEviction:
+    req_id: str
     spec: RequestEviction
     evict_at: int                       # E
     pages: int                          # P
@@ -49,7 +50,7 @@ class StepPlan:
     compacting: list[int]                    # rows whose chunk ends at their eviction point
     compacted_rows: list[int]                # rows already compacted (per-head attention needed)
     page_size: int
-    layer_cache: dict = field(default_factory=dict)
+    max_blocks: int                          # widest block-table row this step needs
 
     @property
     def per_head(self) -> bool:
@@ -80,7 +81,7 @@ class WorkerEvictionState:
             self.unevicting.add(req_id)
             return None
         evict_at = spec.eviction_point(num_prompt)
-        state = WorkerEviction(spec=spec, evict_at=evict_at, pages=pages, window=spec.config.window_size(),
+        state = WorkerEviction(req_id=req_id, spec=spec, evict_at=evict_at, pages=pages, window=spec.config.window_size(),
                                prompt_blocks=-(-evict_at // page_size))
         self.requests[req_id] = state
         return state
@@ -119,6 +120,8 @@ class WorkerEvictionState:
         compacting: list[int] = []
         compacted_rows: list[int] = []
         token_start = 0
+        page_size = runner.cache_config.block_size
+        max_blocks = 1
         for row, req_id in enumerate(batch.req_ids[:num_reqs]):
             count = scheduler_output.num_scheduled_tokens[req_id]
             state = self._state_for(runner, req_id)
@@ -143,8 +146,9 @@ class WorkerEvictionState:
                         self.unevicting.add(req_id)
                         states[-1] = None
             token_start += count
+            max_blocks = max(max_blocks, len(runner.requests[req_id].block_ids[0]))
         self.plan = StepPlan(num_reqs=num_reqs, states=states, captures=captures, compacting=compacting,
-                             compacted_rows=compacted_rows, page_size=runner.cache_config.block_size)
+                             compacted_rows=compacted_rows, page_size=page_size, max_blocks=max_blocks)
 
     def end_step(self) -> None:
         self.plan = None

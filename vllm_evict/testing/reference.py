@@ -22,10 +22,11 @@ class ReferenceResult:
 
 
 class ReferenceDecoder:
-    def __init__(self, model_dir, dtype=torch.float32):
+    def __init__(self, model_dir, dtype=torch.float32, device="cpu"):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
         cfg = self.model.config
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -64,7 +65,7 @@ class ReferenceDecoder:
             logits = torch.einsum("tgd,ld->tgl", qh, keys[h]) * self.scale
             if causal_offset is not None:
                 T, L = q.shape[0], keys[h].shape[0]
-                mask = torch.arange(L)[None, :] > (causal_offset + torch.arange(T))[:, None]
+                mask = torch.arange(L, device=q.device)[None, :] > (causal_offset + torch.arange(T, device=q.device))[:, None]
                 logits = logits.masked_fill(mask[:, None, :], float("-inf"))
             out[:, h * g: (h + 1) * g] = torch.einsum("tgl,ld->tgd", logits.softmax(-1), values[h])
         return out
@@ -73,8 +74,8 @@ class ReferenceDecoder:
     def prefill(self, prefix_ids: list[int]):
         """Full causal attention over the prefix: per layer (q, k, v) post-RoPE, and the last hidden state."""
         model = self.model.model
-        positions = torch.arange(len(prefix_ids))
-        hidden = model.embed_tokens(torch.tensor(prefix_ids))
+        positions = torch.arange(len(prefix_ids), device=self.device)
+        hidden = model.embed_tokens(torch.tensor(prefix_ids, device=self.device))
         per_layer = []
         for layer in model.layers:
             q, k, v = self._layer_qkv(layer, hidden, positions)
@@ -86,18 +87,23 @@ class ReferenceDecoder:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_tokens: int, config: EvictionConfig | None = None,
-                 evict_at: int | None = None, page_size: int = 16, prefill=None) -> ReferenceResult:
+                 evict_at: int | None = None, page_size: int = 16, prefill=None,
+                 keep_override: list[torch.Tensor] | None = None) -> ReferenceResult:
         """Greedy tokens when the KV of prompt_ids[:evict_at] (default: the whole prompt) is evicted with
-        `config` at the end of its prefill. `prefill` = self.prefill(prompt_ids[:E]) may be passed to reuse it."""
+        `config` at the end of its prefill. `prefill` = self.prefill(prompt_ids[:E]) may be passed to reuse it.
+        `keep_override` (per layer [H, E] bool) replaces the reference's own selection (GPU checks feed the
+        engine's kept sets to isolate compaction + attention from bf16 scoring near-ties)."""
         model = self.model.model
         n = len(prompt_ids)
         E = n if evict_at is None else min(evict_at, n)
         per_layer, last_hidden = prefill if prefill is not None else self.prefill(prompt_ids[:E])
         kv = []
         kept_per_layer = []
-        for q, k, v in per_layer:
+        for layer_idx, (q, k, v) in enumerate(per_layer):
             keep = None
-            if config is not None and config.num_pages(E, page_size) is not None:
+            if keep_override is not None:
+                keep = keep_override[layer_idx].to(k.device)
+            elif config is not None and config.num_pages(E, page_size) is not None:
                 w = config.window_size()
                 scores = score_tokens(config.policy, q[E - w:] if w else q[:0], k, v, scale=self.scale,
                                       **config.score_options())
@@ -121,9 +127,9 @@ class ReferenceDecoder:
                 if len(tokens) == max_tokens:
                     break
             tok = pending.pop(0)
-            hidden = model.embed_tokens(torch.tensor([tok]))
+            hidden = model.embed_tokens(torch.tensor([tok], device=self.device))
             for layer, (keys, values) in zip(model.layers, kv):
-                q, k, v = self._layer_qkv(layer, hidden, torch.tensor([pos]))
+                q, k, v = self._layer_qkv(layer, hidden, torch.tensor([pos], device=self.device))
                 for h in range(self.num_kv_heads):
                     keys[h] = torch.cat([keys[h], k[:, h]])
                     values[h] = torch.cat([values[h], v[:, h]])

@@ -1,0 +1,186 @@
+"""GPU checks of the eviction engine (vLLM 0.26, FlashAttention per-head path). Not a unit test.
+
+  exactness: a Llama-3.1-8B-shaped model (32 q / 8 kv heads, d=128, hidden 4096) cut to a few layers,
+             random bf16 weights saved to disk so an independent torch reference can load them. vLLM
+             generates with eviction; the reference decodes with the SAME kept sets (dumped by the engine),
+             attending only to kept + new tokens at original positions. bf16 kernels differ from the fp32
+             reference, so tokens are compared like vLLM's own `check_logprobs_close`: equal until the first
+             divergence, where each side's token must be in the other's top-5. Kept sets are also compared
+             with the reference's own selection on fp32 scores (agreement reported, not asserted).
+  capacity:  full Llama-3.1-8B config, load_format=dummy: how many 32K-token requests run concurrently
+             before the scheduler preempts or queues them, vanilla vs eviction budgets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+
+def build_llama8b_shaped(path: Path, layers: int, seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vllm_evict.testing.tiny_models import REAL_CONFIGS, _build_tokenizer
+
+    if (path / "READY").exists():
+        return path
+    cfg = dict(REAL_CONFIGS["llama-3.1-8b"])
+    cfg.update(num_hidden_layers=layers, vocab_size=2048, max_position_embeddings=16384, torch_dtype="bfloat16")
+    cfg.pop("architectures"), cfg.pop("model_type")
+    tok = _build_tokenizer(vocab_size=1024)
+    cfg["bos_token_id"], cfg["eos_token_id"] = tok.bos_token_id, tok.eos_token_id
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.bfloat16)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    (path / "READY").write_text("ok")
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+def logprobs_close(engine_out, ref, topk_ref):
+    """Tokens equal until the first divergence; there each token must be in the other's top-5."""
+    got = list(engine_out.outputs[0].token_ids)
+    for i, (a, b) in enumerate(zip(got, ref.token_ids)):
+        if a != b:
+            ok = a in topk_ref[i] and b in engine_out.outputs[0].logprobs[i]
+            return i, ok
+    return len(got), True
+
+
+def run_exactness(args) -> dict:
+    from vllm import LLM, SamplingParams
+
+    from vllm_evict.engine import engine_kwargs
+    from vllm_evict.policies import EvictionConfig, score_tokens, select_tokens
+    from vllm_evict.testing.reference import ReferenceDecoder
+
+    model_dir = build_llama8b_shaped(Path(args.workdir) / "llama8b-shaped", args.layers)
+    dump = Path(args.workdir) / "keep"
+    dump.mkdir(parents=True, exist_ok=True)
+    os.environ["VLLM_EVICT_DUMP_KEEP"] = str(dump)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 1000, (args.prompt_len,), generator=g).tolist()
+    cases = [{"policy": p, "budget": b, "allocation": a}
+             for p in ("dropkv", "snapkv", "keydiff", "obcache-joint", "caote", "streaming")
+             for b in (0.1, 0.25) for a in ("uniform", "adakv") if not (p == "streaming" and a == "adakv")]
+    llm = LLM(**engine_kwargs(model=str(model_dir), dtype="bfloat16", block_size=16, max_model_len=8192,
+                              gpu_memory_utilization=0.5, max_num_batched_tokens=512, seed=0))
+    sp = [SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=5,
+                         extra_args={"vllm_evict": c}) for c in cases]
+    t0 = time.time()
+    outs = llm.generate([{"prompt_token_ids": prompt}] * len(cases), sp)
+    gen_s = time.time() - t0
+    plain = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=args.max_tokens,
+                                                                       ignore_eos=True, logprobs=5))[0]
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    ref = ReferenceDecoder(model_dir, dtype=torch.float32, device="cuda")
+    prefill = ref.prefill(prompt)
+    results = []
+    full = ref.generate(prompt, args.max_tokens, prefill=prefill)
+    n_match, ok = logprobs_close(plain, full, [[t] for t in full.token_ids])
+    results.append({"case": "no eviction", "matched_tokens": n_match, "close": ok})
+    for case, out in zip(cases, outs):
+        req_id = out.request_id
+        files = sorted(dump.glob(f"{req_id}*.L*.pt"), key=lambda p: int(p.name.rsplit(".L", 1)[1][:-3]))
+        keeps = [torch.load(f) for f in files]
+        expected = ref.generate(prompt, args.max_tokens, prefill=prefill, keep_override=keeps)
+        n_match, ok = logprobs_close(out, expected, [[t] for t in expected.token_ids])
+        cfg = EvictionConfig.from_dict(case)
+        agree = []
+        for (q, k, v), keep in zip(prefill[0], keeps):
+            w = cfg.window_size()
+            scores = score_tokens(cfg.policy, q[-w:] if w else q[:0], k, v, scale=ref.scale, **cfg.score_options())
+            own = select_tokens(scores, cfg.budget, page_size=16, **cfg.select_options()).cpu()
+            agree.append(float((own & keep).sum() / keep.sum()))
+        results.append({"case": case, "matched_tokens": n_match, "close": ok, "layers": len(keeps),
+                        "kept_set_agreement_vs_fp32_reference": round(sum(agree) / len(agree), 4),
+                        "report": out.kv_transfer_params.get("vllm_evict") if out.kv_transfer_params else None})
+    return {"prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "generate_s": round(gen_s, 2),
+            "results": results}
+
+
+def run_capacity(args) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    from vllm_evict.engine import engine_kwargs
+    from vllm_evict.testing.tiny_models import write_real_config
+
+    model_dir = write_real_config("llama-3.1-8b", Path(args.workdir))
+    budget = None if args.budget in ("none", "vanilla") else float(args.budget)
+    extra = {"vllm_evict": {"policy": args.policy, "budget": budget, "allocation": args.allocation}} if budget else None
+    kwargs = dict(model=str(model_dir), load_format="dummy", dtype="bfloat16", block_size=16,
+                  max_model_len=args.prompt_len + 64, gpu_memory_utilization=0.9, max_num_seqs=512,
+                  max_num_batched_tokens=16384, enable_prefix_caching=False, enforce_eager=args.eager, seed=0)
+    llm = LLM(**(engine_kwargs(**kwargs) if not args.stock else kwargs))
+    core = llm.llm_engine.engine_core.engine_core
+    scheduler = core.scheduler
+    total_blocks = scheduler.kv_cache_manager.block_pool.num_gpu_blocks
+    g = torch.Generator().manual_seed(0)
+    for i in range(args.num_requests):
+        prompt = torch.randint(3, 1000, (args.prompt_len,), generator=g).tolist()
+        llm.llm_engine.add_request(f"r{i}", {"prompt_token_ids": prompt},
+                                   SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, extra_args=extra))
+    max_running_no_preempt = 0
+    max_decoding = 0
+    first_preempt_step = None
+    t0 = time.time()
+    steps = 0
+    while llm.llm_engine.has_unfinished_requests() and time.time() - t0 < args.time_limit:
+        llm.llm_engine.step()
+        steps += 1
+        preempted = sum(r.num_preemptions for r in scheduler.running) + sum(
+            r.num_preemptions for r in scheduler.waiting)
+        decoding = sum(1 for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens)
+        if preempted and first_preempt_step is None:
+            first_preempt_step = steps
+        if first_preempt_step is None:
+            max_running_no_preempt = max(max_running_no_preempt, len(scheduler.running))
+            max_decoding = max(max_decoding, decoding)
+    return {"mode": "stock vLLM" if args.stock else ("vllm-evict, no eviction" if not budget else "vllm-evict"),
+            "policy": args.policy if budget else None, "budget": budget, "allocation": args.allocation if budget else None,
+            "prompt_len": args.prompt_len, "num_requests": args.num_requests, "kv_blocks_total": total_blocks,
+            "kv_tokens_total": total_blocks * 16, "max_running_before_preemption": max_running_no_preempt,
+            "max_concurrent_decoding_before_preemption": max_decoding, "first_preemption_step": first_preempt_step,
+            "steps": steps, "wall_s": round(time.time() - t0, 1), "eager": args.eager}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["exactness", "capacity"])
+    ap.add_argument("--workdir", default="/tmp/vllm-evict-gpu")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=2000)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--budget", default="0.1")
+    ap.add_argument("--policy", default="dropkv")
+    ap.add_argument("--allocation", default="uniform")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--time-limit", type=float, default=300)
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--stock", action="store_true", help="plain vLLM without the plugin's engine kwargs")
+    args = ap.parse_args()
+    if args.stock:
+        os.environ["VLLM_PLUGINS"] = "none"  # load no general plugins at all: stock vLLM
+    result = run_exactness(args) if args.mode == "exactness" else run_capacity(args)
+    result.update(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"))
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Platform-independent part of the eviction attention backends.
+
+Stock behaviour unless the step's plan says otherwise:
+- window capture: copy the query rows of the last w prompt positions of evicting requests;
+- per-head path (batch holds compacted requests): every request row becomes H_kv virtual sequences
+  with their own page tables (see per_head.py) - KV write and attention both go through it;
+- compaction: after this layer's attention, score and compact the requests whose chunk ended at
+  their eviction point (compaction.py).
+Subclasses provide the cache adapter and the two kernel calls.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from vllm.model_executor.models.utils import extract_layer_index
+
+from vllm_evict.engine import per_head
+from vllm_evict.engine.compaction import compaction_slots, plan_compaction
+from vllm_evict.engine.worker import STATE
+
+
+DUMP_DIR = os.environ.get("VLLM_EVICT_DUMP_KEEP")
+
+
+class EvictionAttentionMixin:
+    """Mixed into a stock AttentionImpl (CPU_ATTN or FLASH_ATTN)."""
+
+    def _paged_cache(self, layer, kv_cache):  # -> object with gather_prefix / write_pages / key_pages
+        raise NotImplementedError
+
+    def _stock_attention(self, layer, query, key, value, kv_cache, attn_metadata, output):
+        raise NotImplementedError
+
+    def _per_head_attention(self, q, cache, qsl, seq_lens, block_table, max_query_len, max_seq_len, out):
+        raise NotImplementedError
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        plan = STATE.plan
+        if plan is None or not plan.per_head or self.kv_sharing_target_layer_name is not None:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        # Per-head slots need this layer's tables, built in forward(); the write happens there.
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        plan = STATE.plan
+        if attn_metadata is None or plan is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        layer_idx = extract_layer_index(layer.layer_name)
+        for cap in plan.captures:
+            buf = cap.state.q_window.get(layer_idx)
+            if buf is None:
+                buf = cap.state.q_window[layer_idx] = query.new_empty(cap.state.window, *query.shape[1:])
+            buf[cap.window_offset: cap.window_offset + cap.count] = \
+                query[cap.token_start: cap.token_start + cap.count]
+        cache = self._paged_cache(layer, kv_cache)
+        if plan.per_head:
+            self._per_head_forward(layer_idx, query, key, value, cache, attn_metadata, output, plan)
+        else:
+            self._stock_attention(layer, query, key, value, kv_cache, attn_metadata, output)
+        for row in plan.compacting:
+            self._compact(layer_idx, row, query, cache, attn_metadata, plan)
+        return output
+
+    def _per_head_forward(self, layer_idx, query, key, value, cache, md, output, plan) -> None:
+        H, g, D = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size
+        n = md.num_actual_tokens
+        num_reqs = plan.num_reqs
+        qsl = md.query_start_loc[: num_reqs + 1]
+        seq_lens = md.seq_lens[:num_reqs]
+        tables = per_head.virtual_tables(plan, layer_idx, md.block_table[:num_reqs], seq_lens, H)
+        if self.kv_sharing_target_layer_name is None:
+            slots = per_head.token_slots(tables, qsl, seq_lens, plan.page_size, n)
+            cache.write_pages(key[:n].reshape(n * H, D), value[:n].reshape(n * H, D), slots.reshape(-1))
+        q = query[:n].view(n, H, g, D).transpose(0, 1).reshape(H * n, g, D)
+        vqsl = per_head.query_start_loc(qsl, H, n)
+        out = torch.empty_like(q)
+        self._per_head_attention(q, cache, vqsl, tables.seq_lens.reshape(-1).to(torch.int32),
+                                 tables.pages.reshape(H * num_reqs, -1), md.max_query_len, md.max_seq_len, out)
+        output[:n].view(n, H, g, D).copy_(out.view(H, n, g, D).transpose(0, 1))
+
+    def _compact(self, layer_idx, row, query, cache, md, plan) -> None:
+        state = plan.states[row]
+        blocks = md.block_table[row]
+        prompt_blocks = blocks[: state.prompt_blocks]
+        fresh = blocks[state.prompt_blocks: state.prompt_blocks + state.pages].tolist()
+        keys, values = cache.gather_prefix(prompt_blocks, state.evict_at)
+        q_window = state.q_window.get(layer_idx, query.new_empty(0, *query.shape[1:]))
+        keep, page_counts = plan_compaction(state.spec.config, q_window, keys, values, self.scale, plan.page_size)
+        layout, token_idx, head_idx, slots = compaction_slots(keep, page_counts, fresh, plan.page_size)
+        cache.write_pages(keys[token_idx, head_idx], values[token_idx, head_idx], slots)
+        state.layers[layer_idx] = layout
+        if DUMP_DIR:  # kept sets for offline comparison with a reference (GPU checks)
+            torch.save(keep.cpu(), os.path.join(DUMP_DIR, f"{state.req_id}.L{layer_idx}.pt"))
