@@ -32,19 +32,42 @@ def virtual_tables(plan, layer: int, block_table: torch.Tensor, seq_lens: torch.
     pages = torch.zeros(num_heads, num_reqs, width + extra, dtype=torch.int32, device=device)
     pages[:, :, :width] = block_table.unsqueeze(0) * num_heads + heads.view(-1, 1, 1)
     shift = torch.zeros(num_heads, num_reqs, dtype=torch.int64, device=device)
-    col = torch.arange(width + extra, device=device)
-    for r in plan.compacted_rows:
-        state = plan.states[r]
-        layout = state.layers[layer]
-        counts = layout.page_counts.to(device).unsqueeze(1)                    # [H, 1]
-        tail = block_table[r, state.pages:]                                     # tail blocks
-        tail_col = (col.unsqueeze(0) - counts).clamp(0, max(tail.numel() - 1, 0))
-        tail_pages = tail[tail_col] * num_heads + heads.unsqueeze(1) if tail.numel() else 0
-        own = torch.zeros(num_heads, width + extra, dtype=torch.int32, device=device)
-        own[:, : layout.pages.shape[1]] = layout.pages.to(device)
-        pages[:, r] = torch.where(col.unsqueeze(0) < counts, own, tail_pages)
-        shift[:, r] = state.evict_at - layout.kept.to(device)
+    if plan.compacted_rows:
+        rows, shifts = [], []
+        for r in plan.compacted_rows:
+            state = plan.states[r]
+            tail = block_table[r, state.pages: plan.row_blocks[r]]
+            row, row_shift = _compacted_row(state, layer, tail, num_heads)
+            rows.append(torch.nn.functional.pad(row, (0, width + extra - row.shape[1])))
+            shifts.append(row_shift)
+        index = torch.tensor(plan.compacted_rows, device=device)
+        pages[:, index] = torch.stack(rows, dim=1)
+        shift[:, index] = torch.stack(shifts, dim=1).to(torch.int64)
     return VirtualTables(pages=pages, shift=shift, seq_lens=seq_lens.to(torch.int64).unsqueeze(0) - shift)
+
+
+def _compacted_row(state, layer: int, tail: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([H, max_p + tail] pages, [H] shift) of a compacted request in one layer: its kept pages, then
+    slot h of its tail blocks. Cached per layer until a tail block is added."""
+    cached = state.table_cache.get(layer)
+    if cached is not None and cached[0] == tail.numel():
+        return cached[1], cached[2]
+    device = tail.device
+    layout = state.layers[layer]
+    width = layout.pages.shape[1] + tail.numel()
+    counts = layout.page_counts.to(device).unsqueeze(1)                        # [H, 1]
+    col = torch.arange(width, device=device).unsqueeze(0)
+    heads = torch.arange(num_heads, dtype=torch.int32, device=device).unsqueeze(1)
+    own = torch.zeros(num_heads, width, dtype=torch.int32, device=device)
+    own[:, : layout.pages.shape[1]] = layout.pages
+    if tail.numel():
+        tail_pages = tail[(col - counts).clamp(0, tail.numel() - 1)] * num_heads + heads
+    else:
+        tail_pages = torch.zeros_like(own)
+    row = torch.where(col < counts, own, tail_pages)
+    shift = (state.evict_at - layout.kept).to(device=device, dtype=torch.int64)
+    state.table_cache[layer] = (tail.numel(), row, shift)
+    return row, shift
 
 
 def token_slots(tables: VirtualTables, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

@@ -25,10 +25,21 @@ def register() -> None:
     elif current_platform.is_cuda():
         register_backend(AttentionBackendEnum.FLASH_ATTN,
                          "vllm_evict.engine.cuda_backend.EvictFlashAttentionBackend")
+        _install_triton_scoring()
     from vllm_evict.engine.worker import install_runner_hooks
 
     install_runner_hooks()
     _install_request_validation()
+
+
+def _install_triton_scoring() -> None:
+    """Query-based raw scores on CUDA go through the fused Triton kernels (kernels/window_scores.py)."""
+    from kernels.window_scores import has_triton, window_scores
+
+    from vllm_evict.policies import register_raw_kernel
+
+    if has_triton():
+        register_raw_kernel(window_scores)
 
 
 def _install_request_validation() -> None:

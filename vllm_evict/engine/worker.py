@@ -30,6 +30,7 @@ class WorkerEviction:
     window: int                         # w
     q_window: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [w, Hq, D]
     layers: dict[int, LayerCompaction] = field(default_factory=dict)  # filled during the compaction step
+    table_cache: dict = field(default_factory=dict)                    # per_head._compacted_row
     compacted: bool = False             # True from the step after compaction
     prompt_blocks: int = 0              # cdiv(E, page_size): prompt blocks before the P fresh ones
 
@@ -51,6 +52,7 @@ class StepPlan:
     compacted_rows: list[int]                # rows already compacted (per-head attention needed)
     page_size: int
     max_blocks: int                          # widest block-table row this step needs
+    row_blocks: list[int]                    # blocks in each row's block-table row
 
     @property
     def per_head(self) -> bool:
@@ -122,6 +124,7 @@ class WorkerEvictionState:
         token_start = 0
         page_size = runner.cache_config.block_size
         max_blocks = 1
+        row_blocks: list[int] = []
         for row, req_id in enumerate(batch.req_ids[:num_reqs]):
             count = scheduler_output.num_scheduled_tokens[req_id]
             state = self._state_for(runner, req_id)
@@ -146,9 +149,11 @@ class WorkerEvictionState:
                         self.unevicting.add(req_id)
                         states[-1] = None
             token_start += count
-            max_blocks = max(max_blocks, len(runner.requests[req_id].block_ids[0]))
+            row_blocks.append(len(runner.requests[req_id].block_ids[0]))
+            max_blocks = max(max_blocks, row_blocks[-1])
         self.plan = StepPlan(num_reqs=num_reqs, states=states, captures=captures, compacting=compacting,
-                             compacted_rows=compacted_rows, page_size=page_size, max_blocks=max_blocks)
+                             compacted_rows=compacted_rows, page_size=page_size, max_blocks=max_blocks,
+                             row_blocks=row_blocks)
 
     def end_step(self) -> None:
         self.plan = None

@@ -18,6 +18,7 @@ from vllm_evict.policies import EvictionConfig, score_tokens, select_tokens
 class ReferenceResult:
     token_ids: list[int]
     logprobs: list[float]          # log-softmax of the chosen token at each step
+    top5: list[list[int]]          # the 5 most likely tokens at each step
     kept_per_layer: list[list[int]]  # kept tokens per KV head, per layer
 
 
@@ -113,7 +114,7 @@ class ReferenceDecoder:
             kv.append((keys, values))
             kept_per_layer.append([kh.shape[0] for kh in keys])
         # Continue token by token: the rest of the prompt (if evict_at < n), then greedy decoding.
-        tokens, logprobs = [], []
+        tokens, logprobs, top5 = [], [], []
         pending = list(prompt_ids[E:])
         pos = E
         while len(tokens) < max_tokens:
@@ -123,6 +124,7 @@ class ReferenceDecoder:
                 tok = int(torch.argmax(logits))
                 tokens.append(tok)
                 logprobs.append(float(logp[tok]))
+                top5.append(logp.topk(5).indices.tolist())
                 pending = [tok]
                 if len(tokens) == max_tokens:
                     break
@@ -136,4 +138,4 @@ class ReferenceDecoder:
                 hidden = self._finish_layer(layer, hidden, self._attend(q, keys, values, causal_offset=None))
             last_hidden = hidden
             pos += 1
-        return ReferenceResult(tokens, logprobs, kept_per_layer)
+        return ReferenceResult(tokens, logprobs, top5, kept_per_layer)

