@@ -80,7 +80,8 @@ def test_compact_then_decode_matches_explicit(allocation):
     new_k, new_v = torch.randn(m, H, D), torch.randn(m, H, D)
     block_row = torch.tensor([[30, 31, tail_block, 0]], dtype=torch.int32)
     seq_lens = torch.tensor([E + m], dtype=torch.int32)
-    plan = StepPlan(num_reqs=1, states=[state], captures=[], compacting=[], compacted_rows=[0], page_size=N, max_blocks=4)
+    plan = StepPlan(num_reqs=1, states=[state], captures=[], compacting=[], compacted_rows=[0], page_size=N, max_blocks=4,
+                    row_blocks=[3])
     tables = per_head.virtual_tables(plan, 0, block_row, seq_lens, H)
     qsl = torch.tensor([0, m], dtype=torch.int32)  # m-token chunk (causal) after compaction
     slots_new = per_head.token_slots(tables, qsl, seq_lens, N, m)

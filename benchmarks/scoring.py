@@ -1,0 +1,287 @@
+"""Benchmark of the window-scoring kernels (not a test).
+
+Times, for Llama-3.1-8B head shapes (H_q 32, H_kv 8, d 128, batch 1, bf16), dropkv (w 8) and
+snapkv (w 32) at n = 4K..128K:
+  * naive   : kernels.window_scores_reference.naive_torch_scores (bf16 torch, materialises the
+              w x n attention matrix and, for dropkv, the w x n x d residual)
+  * triton  : kernels.window_scores.window_scores (kernels A + C + B)
+  * B only  : kernel B (the scoring pass) alone, on precomputed a / LSE
+  * ref32   : kernels.window_scores_reference.window_scores_reference (fp32, TF32 off)
+with triton.testing.do_bench (median, warm-up, inputs rotated across several buffers so that
+repeated calls do not hit L2), peak extra memory per call (torch.cuda.max_memory_allocated),
+plus the device's measured copy bandwidth (D2D copy, bytes read + written) and FP32/BF16 matmul
+rates, and the roofline of the scoring pass: bytes that must move = K (+ V) once + raw out.
+
+usage: python benchmarks/scoring.py [--out scoring.json] [--quick] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernels import window_scores as ws  # noqa: E402
+from kernels.window_scores_reference import naive_torch_scores, window_scores_reference  # noqa: E402
+
+
+def _bench(fn, *, warmup=25, rep=100):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def _peak_extra_bytes(fn) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return int(peak)
+
+
+def measure_copy_bandwidth(nbytes=4 << 30):
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    t = _bench(lambda: y.copy_(x), warmup=50, rep=300)
+    del x, y
+    torch.cuda.empty_cache()
+    return dict(bytes=nbytes, ms=t, tb_s=2 * nbytes / (t * 1e-3) / 1e12)
+
+
+def measure_matmul(dtype, size=8192):
+    a = torch.randn(size, size, device="cuda", dtype=dtype)
+    b = torch.randn(size, size, device="cuda", dtype=dtype)
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        t = _bench(lambda: a @ b, warmup=50, rep=300)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    del a, b
+    torch.cuda.empty_cache()
+    return dict(size=size, ms=t, tflop_s=2 * size ** 3 / (t * 1e-3) / 1e12)
+
+
+def make_sets(n, w, H_q, H_kv, D, count, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    sets = []
+    for _ in range(count):
+        q = torch.randn(w, H_q, D, device="cuda", generator=gen, dtype=torch.float32).to(torch.bfloat16)
+        k = torch.randn(n, H_kv, D, device="cuda", generator=gen, dtype=torch.float32).to(torch.bfloat16)
+        v = torch.randn(n, H_kv, D, device="cuda", generator=gen, dtype=torch.float32).to(torch.bfloat16)
+        sets.append((q, k, v))
+    return sets
+
+
+class Rotor:
+    def __init__(self, sets):
+        self.sets, self.i = sets, 0
+
+    def next(self):
+        s = self.sets[self.i % len(self.sets)]
+        self.i += 1
+        return s
+
+
+def bench_case(policy, n, w, *, H_q=32, H_kv=8, D=128, config=None, do_naive=True, do_ref=True, seed=0):
+    kv_bytes = n * H_kv * D * 2
+    count = max(2, min(8, math.ceil(4 * 50e6 / (2 * kv_bytes))))  # >= 4x L2 across the rotation
+    sets = make_sets(n, w, H_q, H_kv, D, count, seed)
+    rot = Rotor(sets)
+    res = dict(policy=policy, n=n, w=w, H_q=H_q, H_kv=H_kv, D=D, rotate=count,
+               precision=(config or ws._DEFAULT_CONFIG).precision)
+
+    def tri():
+        q, k, v = rot.next()
+        return ws.window_scores(policy, q, k, v, config=config)
+
+    res["triton_ms"] = _bench(tri)
+    res["triton_peak_bytes"] = _peak_extra_bytes(tri)
+
+    # kernel B alone, and A (+C) alone
+    preps = []
+    for q, k, v in sets:
+        qb, kb, vb = q[None], k[None], v[None]
+        plan = ws._plan(policy, qb, kb, vb, None, "mean", config)
+        a_buf, lse = ws._forward(plan, qb, kb, vb)
+        out = torch.empty((1, H_kv, n), device="cuda", dtype=torch.float32)
+        preps.append((plan, qb, kb, vb, a_buf, lse, out))
+    prot = Rotor(preps)
+
+    def score_only():
+        plan, qb, kb, vb, a_buf, lse, out = prot.next()
+        return ws._score(plan, qb, kb, vb, a_buf, lse, out)
+
+    def fwd_only():
+        plan, qb, kb, vb, a_buf, lse, out = prot.next()
+        return ws._forward(plan, qb, kb, vb)
+
+    res["score_ms"] = _bench(score_only)
+    res["fwd_ms"] = _bench(fwd_only)
+    plan = preps[0][0]
+    res["splits"] = plan["splits"]
+    res["num_sub_b"] = plan.get("num_sub")
+    res["launch"] = plan["lp"]
+    need_v = plan["need_v"]
+    need_a = plan["need_a"]
+    # roofline of kernel B: K (+V) once + the raw output (q, a, LSE are tiny and L2-resident)
+    b_bytes = kv_bytes * (2 if need_v else 1) + H_kv * n * 4
+    res["score_bytes"] = b_bytes
+    res["score_tb_s"] = b_bytes / (res["score_ms"] * 1e-3) / 1e12
+    fwd_bytes = kv_bytes * (2 if need_a else 1)
+    res["fwd_bytes"] = fwd_bytes
+    res["total_bytes"] = b_bytes + fwd_bytes
+    res["triton_tb_s"] = res["total_bytes"] / (res["triton_ms"] * 1e-3) / 1e12
+    M = H_q * w  # stacked rows over all KV heads
+    res["score_flop_qk_bf16"] = 2 * M * n * D
+    res["score_flop_av_fp32"] = 2 * M * n * D if need_a else 0
+    del preps, prot
+
+    if do_naive:
+        def naive():
+            q, k, v = rot.next()
+            return naive_torch_scores(policy, q, k, v)
+
+        try:
+            res["naive_ms"] = _bench(naive, warmup=10, rep=50)
+            res["naive_peak_bytes"] = _peak_extra_bytes(naive)
+        except torch.OutOfMemoryError:
+            res["naive_ms"] = None
+            res["naive_peak_bytes"] = None
+        torch.cuda.empty_cache()
+    if do_ref:
+        def ref():
+            q, k, v = rot.next()
+            return window_scores_reference(policy, q, k, v)
+
+        try:
+            res["ref32_ms"] = _bench(ref, warmup=10, rep=50)
+            res["ref32_peak_bytes"] = _peak_extra_bytes(ref)
+        except torch.OutOfMemoryError:
+            res["ref32_ms"] = None
+            res["ref32_peak_bytes"] = None
+        torch.cuda.empty_cache()
+    # sanity: kernel vs fp32 reference on this set (max relative error)
+    q, k, v = sets[0]
+    tri_out = ws.window_scores(policy, q, k, v, config=config)
+    ref_out = window_scores_reference(policy, q, k, v)
+    res["max_rel_err_vs_ref32"] = float(((tri_out - ref_out).abs() / ref_out.abs().clamp_min(1e-30)).max())
+    res["nan"] = bool(torch.isnan(tri_out).any())
+    del sets, rot
+    torch.cuda.empty_cache()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="scoring.json")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes (smoke run)")
+    ap.add_argument("--sweep", action="store_true", help="kernel B / A launch-parameter sweep at 128K")
+    args = ap.parse_args()
+    import triton
+
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    props = torch.cuda.get_device_properties(0)
+    meta = dict(
+        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        device=props.name, sms=props.multi_processor_count,
+        l2_bytes=getattr(props, "L2_cache_size", None), total_mem=props.total_memory,
+        torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+    )
+    t0 = time.time()
+    ceil = dict(copy=measure_copy_bandwidth(), fp32_matmul=measure_matmul(torch.float32),
+                bf16_matmul=measure_matmul(torch.bfloat16))
+    print(f"# {meta['device']} ({meta['sms']} SMs) torch {meta['torch']} triton {meta['triton']}", flush=True)
+    print(f"# copy bandwidth {ceil['copy']['tb_s']:.3f} TB/s (read+write); fp32 matmul "
+          f"{ceil['fp32_matmul']['tflop_s']:.1f} TFLOP/s; bf16 matmul {ceil['bf16_matmul']['tflop_s']:.1f} TFLOP/s",
+          flush=True)
+
+    sizes = [4096, 16384, 131072] if args.quick else [4096, 8192, 16384, 32768, 65536, 131072]
+    cases = [("dropkv", 8, None), ("snapkv", 32, None),
+             ("dropkv", 8, ws.WindowScoreConfig(precision="bf16x3"))]
+    rows = []
+    for policy, w, cfg in cases:
+        for n in sizes:
+            is_alt = cfg is not None
+            r = bench_case(policy, n, w, config=cfg, do_naive=not is_alt, do_ref=not is_alt)
+            rows.append(r)
+            sp = (r["naive_ms"] / r["triton_ms"]) if r.get("naive_ms") else float("nan")
+            print(f"{policy:7s} {r['precision']:6s} w={w:2d} n={n:6d} sub={r['num_sub_b']} triton {r['triton_ms']:.4f} ms "
+                  f"(A+C {r['fwd_ms']:.4f}, B {r['score_ms']:.4f} = {r['score_tb_s']:.2f} TB/s)  "
+                  f"naive {r.get('naive_ms') or float('nan'):.4f} ms  x{sp:.1f}  ref32 "
+                  f"{r.get('ref32_ms') or float('nan'):.4f} ms  err {r['max_rel_err_vs_ref32']:.1e}", flush=True)
+
+    sweep = []
+    if args.sweep:
+        n = 131072
+        C = ws.WindowScoreConfig
+        grid = []
+        for prec, bs, As in (
+            ("bf16x3", [(64, 4, 3, 8), (64, 4, 4, 8), (64, 2, 3, 8), (128, 4, 3, 4), (64, 4, 3, 16), (64, 4, 3, 32)],
+             [(64, 4, 3), (64, 4, 4)]),
+            ("ieee", [(64, 4, 2, 8), (64, 4, 3, 8), (32, 2, 2, 16), (64, 2, 2, 8)],
+             [(16, 4, 3), (16, 2, 3), (16, 4, 4), (32, 2, 3)]),
+        ):
+            for sub, nw, st, mx in bs:
+                grid.append(("dropkv", 8, f"B sub={sub} warps={nw} stages={st} max_sub={mx}",
+                             C(precision=prec, sub_n_b=sub, num_warps_b=nw, num_stages_b=st, max_sub_b=mx)))
+            for bn, nw, st in As:
+                grid.append(("dropkv", 8, f"A bn={bn} warps={nw} stages={st}",
+                             C(precision=prec, block_n_a=bn, num_warps_a=nw, num_stages_a=st)))
+        for sub, nw, st, mx in ((128, 4, 2, 4), (128, 4, 3, 4), (64, 4, 3, 8), (128, 4, 2, 8)):
+            grid.append(("snapkv", 32, f"B sub={sub} warps={nw} stages={st} max_sub={mx}",
+                         C(sub_n_b=sub, num_warps_b=nw, num_stages_b=st, max_sub_b=mx)))
+        for bn, nw, st in ((128, 4, 2), (128, 4, 3), (64, 8, 3)):
+            grid.append(("snapkv", 32, f"A bn={bn} warps={nw} stages={st}",
+                         C(block_n_a=bn, num_warps_a=nw, num_stages_a=st)))
+        for prec in ("ieee", "bf16x3"):
+            grid.append(("obcache-joint", 32, "defaults", C(precision=prec)))
+        for policy, w, label, cfg in grid:
+            try:
+                r = bench_case(policy, n, w, config=cfg, do_naive=False, do_ref=False)
+            except Exception as e:  # noqa: BLE001 - a config may not compile
+                print(f"sweep {policy} {cfg.precision} {label}: {type(e).__name__}: {e}"[:300], flush=True)
+                continue
+            r["label"] = label
+            sweep.append(r)
+            print(f"sweep {policy:7s} {cfg.precision:6s} {label:38s} B {r['score_ms']:.4f} ms = "
+                  f"{r['score_tb_s']:.2f} TB/s; A+C {r['fwd_ms']:.4f} (splits {r['splits']}); "
+                  f"full {r['triton_ms']:.4f}; err {r['max_rel_err_vs_ref32']:.1e}", flush=True)
+
+    # final table
+    print("\n| policy | prec | w | n | naive bf16 ms | Triton ms | speedup | kernel B ms | B TB/s | B % copy BW "
+          "| ref fp32 ms | naive peak MB | Triton peak MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    naive_of = {(r["policy"], r["n"]): r for r in rows if r.get("naive_ms")}
+    for r in rows:
+        base = naive_of.get((r["policy"], r["n"]), {})
+        r.setdefault("naive_ms", base.get("naive_ms"))
+        r.setdefault("naive_peak_bytes", base.get("naive_peak_bytes"))
+        r.setdefault("ref32_ms", base.get("ref32_ms"))
+        sp = r["naive_ms"] / r["triton_ms"] if r.get("naive_ms") else float("nan")
+        r["speedup_vs_naive"] = sp
+        npk = (r.get("naive_peak_bytes") or float("nan")) / 1e6
+        print(f"| {r['policy']} | {r['precision']} | {r['w']} | {r['n']} | {r.get('naive_ms') or float('nan'):.3f} | "
+              f"{r['triton_ms']:.4f} | {sp:.1f}x | {r['score_ms']:.4f} | {r['score_tb_s']:.2f} | "
+              f"{100 * r['score_tb_s'] / ceil['copy']['tb_s']:.0f}% | {r.get('ref32_ms') or float('nan'):.3f} | "
+              f"{npk:.0f} | {r['triton_peak_bytes'] / 1e6:.1f} |")
+    print(f"\nelapsed {time.time() - t0:.0f} s")
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, ceilings=ceil, rows=rows, sweep=sweep), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,609 @@
+"""Fused Triton window-scoring kernels (SPEC §5) for the query-based eviction policies.
+
+Public entry points
+-------------------
+``window_scores(policy, q_window, keys, values, *, scale=None, gqa="mean") -> Tensor[H_kv, n] fp32``
+    q_window: [w, H_q, D]  (window rows t = 0..w-1 are prompt positions n-w+t; post-RoPE)
+    keys:     [n, H_kv, D] (post-RoPE, as stored in the cache)
+    values:   [n, H_kv, D]
+    dtype bf16 / fp16 / fp32 (q, k, v the same dtype), CUDA tensors; any strides with a
+    unit stride on D.  Returns the GQA-aggregated raw score raw_j (SPEC §2.3 step 2),
+    BEFORE pooling / protection, as float32 [H_kv, n].
+
+``window_scores_batched(policy, q_window, keys, values, ...) -> Tensor[B, H_kv, n] fp32``
+    Same with a leading batch axis: q_window [B, w, H_q, D], keys/values [B, n, H_kv, D]
+    (every request of the batch has the same n and w).
+
+Policies: snapkv, h2o, tova, dropkv, obcache-value, obcache-key, obcache-joint (SPEC §4).
+GQA: query head h belongs to KV head h // g (g = H_q / H_kv); ``gqa`` is "mean" or "max".
+
+Design (SPEC §5). Per (batch, KV head) the g*w window rows of the group are stacked into
+M = g*w rows (row m = hg*W_P + t; padded to powers of two, at least 16 rows for tl.dot):
+
+* Kernel A (``_window_fwd_kernel``): FlashAttention-2 style online softmax of the M rows over
+  key tiles with the causal mask (row t sees keys j <= n-w+t). Produces the window output
+  a^{h,t} (fp32, pre-W_O) and LSE^{h,t} (natural log). Split-K over the key axis when
+  B*H_kv is small compared to the SM count: each split r writes (m_r, l_r, acc_r).
+  Policies that need no a (snapkv, h2o, tova, obcache-value) skip the V load and the P·V dot.
+* Kernel C (``_splitk_merge_kernel``): m* = max m_r, l* = sum e^{m_r-m*} l_r,
+  acc* = sum e^{m_r-m*} acc_r, a = acc*/l*, LSE = m* + log l*.
+* Kernel B (``_window_score_kernel``): grid (B*H_kv, cdiv(n, BLOCK_N)); each program owns one
+  key tile of BLOCK_N = SUB_N * NUM_SUB keys (NUM_SUB sub-tiles in a software-pipelined loop, so
+  that q, LSE and a are loaded once per program and the K/V loads of the next sub-tile overlap
+  the math of the current one; NUM_SUB shrinks at small n to keep the grid >= 4 programs/SM):
+  loads k_j, v_j once, recomputes z = s*q·k (bf16 tensor-core dot, fp32 accumulate),
+  p = exp(z - LSE) (fp32, never rounded to bf16), <a, v> with a second dot in IEEE fp32,
+  applies the policy epilogue, reduces over t then over the g heads (mean or max) and writes
+  raw[n] fp32. Masked (causally invisible) positions have p = 0 and z = 0.
+
+Nothing of size w x n or w x n x d ever reaches HBM; K/V are never repeated for GQA.
+Scratch: a [B*H_kv, M_P, D_P] fp32, LSE [B*H_kv, M_P] fp32 and, with split-K,
+(m, l) [B*H_kv, S, M_P] and acc [B*H_kv, S, M_P, D_P] fp32 (a few MB).
+
+Precision (SPEC §5): dots of two bf16/fp16 operands accumulate in fp32; the dots with an fp32
+operand (P·V in kernel A, a·vᵀ in kernel B) run in IEEE fp32 (``precision="ieee"``, default).
+``precision="bf16x3"`` is an opt-in alternative for bf16/fp16 inputs: the fp32 operand is split
+exactly into three bf16 parts (x = x1 + x2 + x3, 24 significand bits kept) and the three
+products with the bf16 operand (exact in fp32) are accumulated in fp32 on the tensor cores.
+Measured on an H100 (docs/BENCHMARKS.md): same max error vs the fp32 reference as ieee, and
+dropkv at 128K takes 0.48 ms instead of 1.29 ms (obcache-joint: 1.3 ms instead of 37 ms). It is
+NOT the SPEC default; kernels/NOTES.md recommends a SPEC change.
+
+The module imports on a machine without Triton or CUDA; the kernels need both at call time.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:  # CI has no GPU and may have no Triton: keep the import optional.
+    import triton
+    import triton.language as tl
+
+    _HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    _HAS_TRITON = False
+
+__all__ = [
+    "POLICIES",
+    "window_scores",
+    "window_scores_batched",
+    "WindowScoreConfig",
+    "has_triton",
+]
+
+EPS = 1e-6
+
+# policy name -> (id used inside the kernels, needs a^{h,t}, needs v_j)
+POLICIES: dict[str, tuple[int, bool, bool]] = {
+    "snapkv": (0, False, False),
+    "h2o": (1, False, False),
+    "tova": (2, False, False),
+    "dropkv": (3, True, True),
+    "obcache-value": (4, False, True),
+    "obcache-key": (5, True, True),
+    "obcache-joint": (6, True, True),
+}
+
+
+def has_triton() -> bool:
+    return _HAS_TRITON
+
+
+@dataclass(frozen=True)
+class WindowScoreConfig:
+    """Launch parameters. ``None`` picks the default for the precision (tuned on an H100,
+    see kernels/NOTES.md)."""
+
+    precision: str = "ieee"  # "ieee" (SPEC §5) or "bf16x3"
+    block_n_a: int | None = None  # key tile of kernel A
+    num_warps_a: int | None = None
+    num_stages_a: int | None = None
+    sub_n_b: int | None = None  # kernel B: keys per sub-tile
+    num_warps_b: int | None = None
+    num_stages_b: int | None = None
+    max_sub_b: int | None = None  # kernel B: at most this many sub-tiles per program (power of two)
+    num_sub_b: int | None = None  # kernel B: force this many sub-tiles per program (power of two)
+    num_splits: int | None = None  # None: automatic split-K for kernel A
+
+
+# (block_n_a, num_warps_a, num_stages_a, sub_n_b, num_warps_b, num_stages_b); from the launch
+# sweep of benchmarks/scoring.py --sweep at n = 128K (kernels/NOTES.md). A launch that runs out of
+# shared memory (large g*w, other GPUs) falls back to fewer stages, then smaller tiles.
+_DEFAULTS = {
+    ("ieee", True): (16, 4, 3, 64, 4, 2),  # policies with an fp32 FMA dot (a needed)
+    ("bf16x3", True): (64, 4, 3, 64, 4, 3),
+    ("ieee", False): (128, 4, 2, 128, 4, 2),  # no a needed: only the bf16 QK dot
+    ("bf16x3", False): (128, 4, 2, 128, 4, 2),
+}
+
+_DEFAULT_CONFIG = WindowScoreConfig()
+
+
+def _resolve(cfg: WindowScoreConfig, need_a: bool) -> dict:
+    d = _DEFAULTS[(cfg.precision, need_a)]
+    vals = (cfg.block_n_a, cfg.num_warps_a, cfg.num_stages_a, cfg.sub_n_b, cfg.num_warps_b, cfg.num_stages_b)
+    names = ("block_n_a", "num_warps_a", "num_stages_a", "sub_n_b", "num_warps_b", "num_stages_b")
+    return {k: (v if v is not None else dv) for k, v, dv in zip(names, vals, d)}
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+if _HAS_TRITON:
+
+    @triton.jit
+    def _dot_f32_operand(x_f32, y, PRECISION: tl.constexpr):
+        """x_f32 [M, K] fp32 times y [K, N] (bf16/fp16/fp32) -> [M, N] fp32.
+
+        PRECISION 0: IEEE fp32 dot (both operands upcast to fp32, no TF32).
+        PRECISION 1: exact 3-way split of x into y's 16-bit type, three tensor-core dots.
+        """
+        if PRECISION == 0:
+            return tl.dot(x_f32, y.to(tl.float32), input_precision="ieee")
+        else:
+            x1 = x_f32.to(y.dtype)
+            r1 = x_f32 - x1.to(tl.float32)
+            x2 = r1.to(y.dtype)
+            x3 = (r1 - x2.to(tl.float32)).to(y.dtype)
+            acc = tl.dot(x1, y)
+            acc = tl.dot(x2, y, acc)
+            acc = tl.dot(x3, y, acc)
+            return acc
+
+    @triton.jit
+    def _dot_qk(q, k, IS_F32: tl.constexpr):
+        """q [M, D] times k [N, D] transposed -> [M, N] fp32 (IEEE when the inputs are fp32)."""
+        if IS_F32:
+            return tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            return tl.dot(q, tl.trans(k))
+
+    @triton.jit
+    def _window_fwd_kernel(
+        Q, K, V,
+        A_OUT, LSE_OUT,  # final outputs (used when SPLIT == False)
+        M_PART, L_PART, ACC_PART,  # split-K partials (used when SPLIT == True)
+        n, w, g, H_kv, qk_scale2,  # qk_scale2 = scale * log2(e)
+        tiles_per_split,
+        sqb, sqt, sqh,
+        skb, skn, skh,
+        svb, svn, svh,
+        D: tl.constexpr, D_P: tl.constexpr,
+        G_P: tl.constexpr, W_P: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NEED_A: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, IS_F32: tl.constexpr,
+    ):
+        M_P: tl.constexpr = G_P * W_P
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        num_splits = tl.num_programs(1)
+        b = bh // H_kv
+        kvh = bh % H_kv
+
+        rows = tl.arange(0, M_P)
+        hg = rows // W_P
+        t = rows % W_P
+        row_valid = (hg < g) & (t < w)
+        pos = tl.where(row_valid, n - w + t, n - 1)  # causal limit of each row
+        offs_d = tl.arange(0, D_P)
+        d_mask = offs_d < D
+
+        q_ptrs = (Q + b.to(tl.int64) * sqb + t[:, None] * sqt + (kvh * g + hg)[:, None] * sqh
+                  + offs_d[None, :])
+        q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+
+        m_i = tl.full([M_P], -1.0e30, tl.float32)
+        l_i = tl.zeros([M_P], tl.float32)
+        acc = tl.zeros([M_P, D_P], tl.float32)
+
+        k_base = K + b.to(tl.int64) * skb + kvh * skh
+        v_base = V + b.to(tl.int64) * svb + kvh * svh
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, tl.cdiv(n, BLOCK_N))
+        for tile in range(tile_lo, tile_hi):
+            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < n
+            k = tl.load(k_base + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :],
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            s = _dot_qk(q, k, IS_F32) * qk_scale2  # log2 domain
+            vis = offs_n[None, :] <= pos[:, None]
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if NEED_A:
+                v = tl.load(v_base + offs_n[:, None].to(tl.int64) * svn + offs_d[None, :],
+                            mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+                acc = acc * alpha[:, None] + _dot_f32_operand(p, v, PRECISION)
+            m_i = m_new
+
+        if SPLIT:
+            part = (bh * num_splits + split).to(tl.int64)
+            tl.store(M_PART + part * M_P + rows, m_i)
+            tl.store(L_PART + part * M_P + rows, l_i)
+            if NEED_A:
+                tl.store(ACC_PART + part * (M_P * D_P) + rows[:, None] * D_P + offs_d[None, :], acc)
+        else:
+            # every row sees at least key 0, so l_i > 0
+            lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+            tl.store(LSE_OUT + bh.to(tl.int64) * M_P + rows, lse)
+            if NEED_A:
+                a = acc / l_i[:, None]
+                tl.store(A_OUT + bh.to(tl.int64) * (M_P * D_P) + rows[:, None] * D_P + offs_d[None, :], a)
+
+    @triton.jit
+    def _splitk_merge_kernel(
+        M_PART, L_PART, ACC_PART, A_OUT, LSE_OUT,
+        num_splits,
+        M_P: tl.constexpr, D_P: tl.constexpr, S_P: tl.constexpr, BLOCK_M: tl.constexpr,
+        NEED_A: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_s = tl.arange(0, S_P)
+        s_mask = offs_s < num_splits
+        base = bh.to(tl.int64) * num_splits
+        ml_ptrs = (base + offs_s[:, None]) * M_P + rows[None, :]
+        m_r = tl.load(M_PART + ml_ptrs, mask=s_mask[:, None], other=float("-inf"))
+        l_r = tl.load(L_PART + ml_ptrs, mask=s_mask[:, None], other=0.0)
+        m_star = tl.max(m_r, axis=0)  # >= -1e30, finite
+        l_star = tl.sum(tl.exp2(m_r - m_star[None, :]) * l_r, axis=0)
+        lse = (m_star + tl.log2(l_star)) * 0.6931471805599453
+        tl.store(LSE_OUT + bh.to(tl.int64) * M_P + rows, lse)
+        if NEED_A:
+            offs_d = tl.arange(0, D_P)
+            acc = tl.zeros([BLOCK_M, D_P], tl.float32)
+            for r in range(0, num_splits):
+                part = base + r
+                m_one = tl.load(M_PART + part * M_P + rows)
+                acc_r = tl.load(ACC_PART + part * (M_P * D_P) + rows[:, None] * D_P + offs_d[None, :])
+                acc += tl.exp2(m_one - m_star)[:, None] * acc_r
+            a = acc / l_star[:, None]
+            tl.store(A_OUT + bh.to(tl.int64) * (M_P * D_P) + rows[:, None] * D_P + offs_d[None, :], a)
+
+    @triton.jit
+    def _window_score_kernel(
+        Q, K, V, A, LSE, OUT,
+        n, w, g, H_kv, scale, inv_w, inv_g, eps,
+        sqb, sqt, sqh,
+        skb, skn, skh,
+        svb, svn, svh,
+        D: tl.constexpr, D_P: tl.constexpr,
+        G_P: tl.constexpr, W_P: tl.constexpr,
+        SUB_N: tl.constexpr, NUM_SUB: tl.constexpr,
+        POLICY: tl.constexpr, NEED_A: tl.constexpr, NEED_V: tl.constexpr,
+        GQA_MAX: tl.constexpr, PRECISION: tl.constexpr, IS_F32: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+    ):
+        """One program per key tile of BLOCK_N = SUB_N * NUM_SUB keys, processed in NUM_SUB
+        sub-tiles (software-pipelined loads); q, LSE, a (and its split) are loaded once."""
+        M_P: tl.constexpr = G_P * W_P
+        bh = tl.program_id(0)
+        tile = tl.program_id(1)
+        b = bh // H_kv
+        kvh = bh % H_kv
+
+        rows = tl.arange(0, M_P)
+        hg = rows // W_P
+        t = rows % W_P
+        row_valid = (hg < g) & (t < w)
+        pos = tl.where(row_valid, n - w + t, -1)  # invalid rows see nothing
+        offs_d = tl.arange(0, D_P)
+        d_mask = offs_d < D
+
+        q = tl.load(Q + b.to(tl.int64) * sqb + t[:, None] * sqt + (kvh * g + hg)[:, None] * sqh
+                    + offs_d[None, :], mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+        lse2 = tl.load(LSE + bh.to(tl.int64) * M_P + rows) * 1.4426950408889634
+        if NEED_A:
+            a = tl.load(A + bh.to(tl.int64) * (M_P * D_P) + rows[:, None] * D_P + offs_d[None, :])
+            aa = tl.sum(a * a, axis=1)  # ||a||^2 [M_P]
+            if PRECISION == 1:  # exact 3-way split of a into q's 16-bit type
+                a1 = a.to(q.dtype)
+                r1 = a - a1.to(tl.float32)
+                a2 = r1.to(q.dtype)
+                a3 = (r1 - a2.to(tl.float32)).to(q.dtype)
+        k_base = K + b.to(tl.int64) * skb + kvh * skh
+        v_base = V + b.to(tl.int64) * svb + kvh * svh
+        o_base = OUT + bh.to(tl.int64) * n
+
+        for sub in tl.range(0, NUM_SUB, num_stages=NUM_STAGES):
+            offs_n = (tile * NUM_SUB + sub) * SUB_N + tl.arange(0, SUB_N)
+            n_mask = offs_n < n
+            k = tl.load(k_base + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :],
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            if NEED_V:
+                v = tl.load(v_base + offs_n[:, None].to(tl.int64) * svn + offs_d[None, :],
+                            mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+                vf = v.to(tl.float32)
+                vv = tl.sum(vf * vf, axis=1)  # ||v_j||^2 [SUB_N]
+            if NEED_A:
+                if PRECISION == 0:
+                    av = tl.dot(a, tl.trans(vf), input_precision="ieee")  # <a, v_j> [M_P, SUB_N]
+                else:
+                    vt = tl.trans(v)
+                    av = tl.dot(a1, vt)
+                    av = tl.dot(a2, vt, av)
+                    av = tl.dot(a3, vt, av)
+
+            vis = offs_n[None, :] <= pos[:, None]  # causal + row validity (pos <= n-1)
+            z = _dot_qk(q, k, IS_F32) * scale  # natural-log logits, fp32
+            z = tl.where(vis, z, 0.0)  # SPEC §4.4: Z = 0 at masked positions
+            p = tl.exp2(z * 1.4426950408889634 - lse2[:, None])
+            p = tl.where(vis, p, 0.0)
+
+            if POLICY == 0 or POLICY == 1:  # snapkv / h2o: sum_t p
+                c = p
+            elif POLICY == 2:  # tova: last window row only
+                c = tl.where((t == w - 1)[:, None], p, 0.0)
+            elif POLICY == 3:  # dropkv
+                om = p / (1.0 - p + eps)
+                d2 = tl.maximum(aa[:, None] + vv[None, :] - 2.0 * av, 0.0)
+                c = om * om * d2
+            elif POLICY == 4:  # obcache-value
+                c = p * p * vv[None, :]
+            elif POLICY == 5:  # obcache-key
+                d2 = tl.maximum(aa[:, None] + vv[None, :] - 2.0 * av, 0.0)
+                c = p * p * z * z * d2
+            else:  # obcache-joint, expanded form of SPEC §4.4
+                zp1 = 1.0 + z
+                j2 = zp1 * zp1 * vv[None, :] - 2.0 * z * zp1 * av + z * z * aa[:, None]
+                c = p * p * tl.maximum(j2, 0.0)
+            c = tl.where(vis, c, 0.0)
+
+            if GQA_MAX:
+                best = tl.zeros([SUB_N], tl.float32)  # every raw^h >= 0; padded heads are 0
+                for h in tl.static_range(G_P):
+                    s_h = tl.sum(tl.where((hg == h)[:, None], c, 0.0), axis=0)
+                    best = tl.maximum(best, s_h)
+                raw = best
+            else:
+                raw = tl.sum(c, axis=0) * inv_g
+            if POLICY == 0:
+                raw = raw * inv_w
+            tl.store(o_base + offs_n, raw, mask=n_mask)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_cached(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton interpreter (TRITON_INTERPRET=1) on CPU tensors
+        return 132
+    return _sm_count_cached(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# launch parameters that had to be reduced (out of shared memory), per kernel variant
+_FALLBACK: dict = {}
+
+
+def _launch_with_fallback(key, launch, params: dict, tile_key: str, stage_key: str):
+    """Call launch(params); on OutOfResources retry with 1 stage, then halved tiles (>= 16)."""
+    params = dict(_FALLBACK.get(key, params))
+    while True:
+        try:
+            out = launch(params)
+        except triton.runtime.errors.OutOfResources:
+            if params[stage_key] > 1:
+                params[stage_key] = 1
+            elif params[tile_key] > 16:
+                params[tile_key] //= 2
+            else:
+                raise
+            _FALLBACK[key] = dict(params)
+            continue
+        return out
+
+
+def _check_inputs(policy, q, k, v, gqa):
+    if policy not in POLICIES:
+        raise ValueError(f"unknown window policy {policy!r}; expected one of {sorted(POLICIES)}")
+    if gqa not in ("mean", "max"):
+        raise ValueError(f"gqa must be 'mean' or 'max', got {gqa!r}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("expected q [B, w, H_q, D], k/v [B, n, H_kv, D]")
+    if k.shape != v.shape:
+        raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} differ")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} does not match keys {tuple(k.shape)}")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"H_q={q.shape[2]} is not a multiple of H_kv={k.shape[2]}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"q/k/v must share one dtype in (bf16, fp16, fp32), got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[1] < 1 or q.shape[1] > k.shape[1]:
+        raise ValueError(f"window w={q.shape[1]} must be in [1, n={k.shape[1]}]")
+
+
+def _plan(policy, q_window, keys, values, scale, gqa, config):
+    """Validate and compute the launch plan (shared by the stages)."""
+    if not _HAS_TRITON:
+        raise RuntimeError("window_scores needs Triton; use kernels.window_scores_reference on CPU")
+    _check_inputs(policy, q_window, keys, values, gqa)
+    if not keys.is_cuda and not _interpreting():
+        raise ValueError("window_scores needs CUDA tensors (or TRITON_INTERPRET=1 for debugging)")
+    cfg = config or _DEFAULT_CONFIG
+    if cfg.precision not in ("ieee", "bf16x3"):
+        raise ValueError(f"precision must be 'ieee' or 'bf16x3', got {cfg.precision!r}")
+    for x in (q_window, keys, values):
+        if x.stride(-1) != 1:
+            raise ValueError("the head dimension must have unit stride")
+    B, w, H_q, D = q_window.shape
+    n, H_kv = keys.shape[1], keys.shape[2]
+    g = H_q // H_kv
+    pol_id, need_a, need_v = POLICIES[policy]
+    G_P = _next_pow2(g)
+    W_P = max(_next_pow2(w), 16 // G_P) if G_P < 16 else _next_pow2(w)
+    prec = 0 if (cfg.precision == "ieee" or keys.dtype == torch.float32) else 1
+    P = dict(
+        cfg=cfg, prec=prec, is_f32=keys.dtype == torch.float32,
+        B=B, w=w, H_q=H_q, D=D, n=n, H_kv=H_kv, g=g, BH=B * H_kv,
+        scale=1.0 / math.sqrt(D) if scale is None else float(scale),
+        pol_id=pol_id, need_a=need_a, need_v=need_v, gqa_max=(gqa == "max"),
+        G_P=G_P, W_P=W_P, M_P=G_P * W_P, D_P=max(16, _next_pow2(D)),
+        lp=_resolve(cfg, need_a), sms=_sm_count(keys.device),
+    )
+    P["variant"] = (pol_id, gqa == "max", prec, str(keys.dtype), P["M_P"], P["D_P"], keys.device.type)
+    return P
+
+
+def _splits_for(P, block_n_a):
+    cfg, BH = P["cfg"], P["BH"]
+    n_tiles = triton.cdiv(P["n"], block_n_a)
+    if cfg.num_splits is not None:
+        splits = max(1, min(int(cfg.num_splits), n_tiles))
+    else:
+        target = 2 * P["sms"]
+        splits = 1 if BH >= target else min(n_tiles, triton.cdiv(target, BH))
+        # keep >= 4 tiles per split so that the merge stays small next to the pass
+        splits = max(1, min(splits, n_tiles // 4))
+    tiles_per_split = triton.cdiv(n_tiles, splits)
+    return triton.cdiv(n_tiles, tiles_per_split), tiles_per_split
+
+
+def _num_sub_for(P, sub_n):
+    """Kernel B: sub-tiles per program (power of two), keeping >= ~4 programs per SM."""
+    cfg = P["cfg"]
+    if cfg.num_sub_b is not None:
+        num_sub = max(1, int(cfg.num_sub_b))
+    else:
+        max_sub = cfg.max_sub_b if cfg.max_sub_b is not None else max(1, 512 // sub_n)
+        num_sub = max(1, min(max_sub, (triton.cdiv(P["n"], sub_n) * P["BH"]) // (4 * P["sms"])))
+    return 1 << (num_sub.bit_length() - 1)
+
+
+def _forward(plan, q_window, keys, values):
+    """Kernels A (+ C): returns (a [BH, M_P, D_P] fp32 or a dummy, LSE [BH, M_P] fp32)."""
+    P, dev = plan, keys.device
+    BH, M_P, D_P, need_a = P["BH"], P["M_P"], P["D_P"], P["need_a"]
+    a_buf = torch.empty((BH, M_P, D_P) if need_a else (1,), device=dev, dtype=torch.float32)
+    lse = torch.empty((BH, M_P), device=dev, dtype=torch.float32)
+    v_a = values if need_a else keys  # kernel A does not touch V when a is unused
+    lp0 = P["lp"]
+
+    def launch(params):
+        splits, tiles_per_split = _splits_for(P, params["block_n_a"])
+        if splits > 1:
+            m_part = torch.empty((BH, splits, M_P), device=dev, dtype=torch.float32)
+            l_part = torch.empty((BH, splits, M_P), device=dev, dtype=torch.float32)
+            acc_part = torch.empty((BH, splits, M_P, D_P) if need_a else (1,), device=dev, dtype=torch.float32)
+        else:
+            m_part = l_part = acc_part = lse  # unused
+        _window_fwd_kernel[(BH, splits)](
+            q_window, keys, v_a,
+            a_buf, lse, m_part, l_part, acc_part,
+            P["n"], P["w"], P["g"], P["H_kv"], P["scale"] * 1.4426950408889634,
+            tiles_per_split,
+            q_window.stride(0), q_window.stride(1), q_window.stride(2),
+            keys.stride(0), keys.stride(1), keys.stride(2),
+            v_a.stride(0), v_a.stride(1), v_a.stride(2),
+            D=P["D"], D_P=D_P, G_P=P["G_P"], W_P=P["W_P"], BLOCK_N=params["block_n_a"],
+            NEED_A=need_a, SPLIT=splits > 1, PRECISION=P["prec"], IS_F32=P["is_f32"],
+            num_warps=params["num_warps_a"], num_stages=params["num_stages_a"],
+        )
+        if splits > 1:
+            block_m = min(M_P, 32)
+            _splitk_merge_kernel[(BH, M_P // block_m)](
+                m_part, l_part, acc_part, a_buf, lse, splits,
+                M_P=M_P, D_P=D_P, S_P=max(2, _next_pow2(splits)), BLOCK_M=block_m,
+                NEED_A=need_a, num_warps=4,
+            )
+        return splits
+
+    params = {k: lp0[k] for k in ("block_n_a", "num_warps_a", "num_stages_a")}
+    P["splits"] = _launch_with_fallback(("A",) + P["variant"] + tuple(params.values()), launch, params,
+                                        "block_n_a", "num_stages_a")
+    return a_buf, lse
+
+
+def _score(plan, q_window, keys, values, a_buf, lse, out):
+    """Kernel B: the per-key-tile scoring pass, writes out [B, H_kv, n] fp32."""
+    P = plan
+    v_b = values if P["need_v"] else keys
+    lp0 = P["lp"]
+
+    def launch(params):
+        num_sub = _num_sub_for(P, params["sub_n_b"])
+        block_n = params["sub_n_b"] * num_sub
+        _window_score_kernel[(P["BH"], triton.cdiv(P["n"], block_n))](
+            q_window, keys, v_b, a_buf, lse, out,
+            P["n"], P["w"], P["g"], P["H_kv"], P["scale"], 1.0 / P["w"], 1.0 / P["g"], EPS,
+            q_window.stride(0), q_window.stride(1), q_window.stride(2),
+            keys.stride(0), keys.stride(1), keys.stride(2),
+            v_b.stride(0), v_b.stride(1), v_b.stride(2),
+            D=P["D"], D_P=P["D_P"], G_P=P["G_P"], W_P=P["W_P"],
+            SUB_N=params["sub_n_b"], NUM_SUB=num_sub,
+            POLICY=P["pol_id"], NEED_A=P["need_a"], NEED_V=P["need_v"], GQA_MAX=P["gqa_max"],
+            PRECISION=P["prec"], IS_F32=P["is_f32"], NUM_STAGES=params["num_stages_b"],
+            num_warps=params["num_warps_b"],
+        )
+        return num_sub
+
+    params = {k: lp0[k] for k in ("sub_n_b", "num_warps_b", "num_stages_b")}
+    P["num_sub"] = _launch_with_fallback(("B",) + P["variant"] + tuple(params.values()), launch, params,
+                                         "sub_n_b", "num_stages_b")
+    return out
+
+
+def window_scores_batched(
+    policy: str,
+    q_window: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    scale: float | None = None,
+    gqa: str = "mean",
+    config: WindowScoreConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Batched raw window scores.
+
+    q_window [B, w, H_q, D], keys/values [B, n, H_kv, D] (bf16/fp16/fp32, CUDA, unit stride on D)
+    -> float32 [B, H_kv, n]: GQA-aggregated raw scores before pooling/protection.
+    ``out`` (optional) is a preallocated float32 [B, H_kv, n] contiguous tensor to write into.
+    """
+    plan = _plan(policy, q_window, keys, values, scale, gqa, config)
+    B, H_kv, n = plan["B"], plan["H_kv"], plan["n"]
+    if out is None:
+        out = torch.empty((B, H_kv, n), device=keys.device, dtype=torch.float32)
+    elif tuple(out.shape) != (B, H_kv, n) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError("out must be a contiguous float32 [B, H_kv, n] tensor")
+    a_buf, lse = _forward(plan, q_window, keys, values)
+    return _score(plan, q_window, keys, values, a_buf, lse, out)
+
+
+def window_scores(
+    policy: str,
+    q_window: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    scale: float | None = None,
+    gqa: str = "mean",
+    config: WindowScoreConfig | None = None,
+) -> torch.Tensor:
+    """Raw window scores of one request (SPEC §2.3 steps 1-2, §4, §5).
+
+    q_window [w, H_q, D], keys/values [n, H_kv, D] (bf16/fp16/fp32, CUDA)
+    -> float32 [H_kv, n] = GQA-aggregated raw_j before pooling and protection.
+    """
+    if q_window.dim() != 3 or keys.dim() != 3 or values.dim() != 3:
+        raise ValueError("expected q_window [w, H_q, D] and keys/values [n, H_kv, D]")
+    return window_scores_batched(
+        policy, q_window.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+        scale=scale, gqa=gqa, config=config,
+    )[0]
