@@ -76,12 +76,29 @@ def resolve(request_eviction: Any, defaults: dict[str, Any]) -> Any:
         return None
     if "policy" not in merged:
         raise EvictionFieldError("eviction.policy is required (no server default policy is configured)")
+    evict_at = merged.pop("evict_at", None)
+    if evict_at is not None and (isinstance(evict_at, bool) or not isinstance(evict_at, int) or evict_at < 1):
+        raise EvictionFieldError(f"invalid eviction: evict_at must be a positive integer, got {evict_at!r}")
     try:
-        return _eviction_config_cls().from_dict(merged)
+        cfg = _eviction_config_cls().from_dict(merged)
+        return cfg if evict_at is None or cfg is None else WithEvictAt(cfg, evict_at)
     except EvictionFieldError:
         raise
     except (ValueError, TypeError) as exc:
         raise EvictionFieldError(f"invalid eviction: {exc}") from exc
+
+
+class WithEvictAt:
+    """An EvictionConfig plus the engine-level `evict_at` (compress only the first k prompt tokens)."""
+
+    def __init__(self, config: Any, evict_at: int) -> None:
+        self.config, self.evict_at = config, evict_at
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.config, name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.config.to_dict(), "evict_at": self.evict_at}
 
 
 def to_extra_args(cfg: Any) -> dict[str, Any] | None:
