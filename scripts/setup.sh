@@ -10,7 +10,7 @@ VLLM_VERSION=0.26.0        # keep in sync with vllm_evict/_version_check.py
 TORCH_VERSION=2.11.0
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
-$PIP install -q --upgrade pip
+$PIP install -q --upgrade pip packaging
 if ! "$VENV/bin/python" -c "import torch,sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   $PIP install -q "torch==$TORCH_VERSION"
 fi
