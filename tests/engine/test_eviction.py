@@ -98,6 +98,7 @@ def test_every_policy_matches_reference_in_one_mixed_batch(engine, reference):
         check_against_reference(out, expected, str(case))
         report = out.kv_transfer_params["vllm_evict"]
         assert report["policy"] == case["policy"] and report["blocks_freed"] > 0
+        assert report["latency_ms"] > 0
         changed += expected.token_ids != full.token_ids
     # The check has teeth: eviction changes the greedy output for most cases on this model.
     assert changed >= len(cases) // 2

@@ -12,6 +12,7 @@ Subclasses provide the cache adapter and the two kernel calls.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from vllm.model_executor.models.utils import extract_layer_index
@@ -82,6 +83,7 @@ class EvictionAttentionMixin:
         output[:n].view(n, H, g, D).copy_(out.view(H, n, g, D).transpose(0, 1))
 
     def _compact(self, layer_idx, row, query, cache, md, plan) -> None:
+        start = time.perf_counter()
         state = plan.states[row]
         blocks = md.block_table[row]
         prompt_blocks = blocks[: state.prompt_blocks]
@@ -92,5 +94,7 @@ class EvictionAttentionMixin:
         layout, token_idx, head_idx, slots = compaction_slots(keep, page_counts, fresh, plan.page_size)
         cache.write_pages(keys[token_idx, head_idx], values[token_idx, head_idx], slots)
         state.layers[layer_idx] = layout
+        # Host wall time; the .tolist() syncs above make it cover the GPU work of the previous layer.
+        STATE.add_latency(state.req_id, (time.perf_counter() - start) * 1e3)
         if DUMP_DIR:  # kept sets for offline comparison with a reference (GPU checks)
             torch.save(keep.cpu(), os.path.join(DUMP_DIR, f"{state.req_id}.L{layer_idx}.pt"))

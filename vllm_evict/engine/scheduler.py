@@ -29,6 +29,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from vllm_evict.engine.request_config import EXTRA_ARGS_KEY, RequestEviction, parse_request_or_none
+from vllm_evict.engine.worker import LATENCY_ATTR
 
 logger = init_logger(__name__)
 
@@ -44,6 +45,7 @@ class SchedulerEviction:
     removed: int = 0       # E - P*block_size once compacted
     blocks_before: int = 0
     prompt_tokens: int = 0
+    latency_ms: float | None = None  # scoring + compaction, reported by the worker
     report: dict[str, Any] = field(default_factory=dict)
 
 
@@ -176,6 +178,13 @@ class _EvictionSchedulerMixin:
             if ev is not None and ev.swap_pending:
                 self.kv_cache_manager.swap_to_compacted(req_id, ev)
 
+    def update_from_output(self, scheduler_output, model_runner_output):
+        for req_id, ms in (getattr(model_runner_output, LATENCY_ATTR, None) or {}).items():
+            ev = self.evictions.get(req_id)
+            if ev is not None:
+                ev.latency_ms = (ev.latency_ms or 0.0) + ms
+        return super().update_from_output(scheduler_output, model_runner_output)
+
     def _free_request(self, request, delay_free_blocks: bool = False):
         kv_xfer_params, ec_xfer_params = super()._free_request(request, delay_free_blocks)
         ev = self.evictions.pop(request.request_id, None)
@@ -199,6 +208,7 @@ class _EvictionSchedulerMixin:
             "blocks_before": ev.blocks_before,
             "blocks_after": ev.pages,
             "blocks_freed": ev.blocks_before - ev.pages,
+            **({"latency_ms": round(ev.latency_ms, 3)} if ev.latency_ms is not None else {}),
         }
 
 

@@ -67,6 +67,31 @@ class WorkerEvictionState:
         self.unevicting: set[str] = set()
         self.pending_strip: dict[str, WorkerEviction] = {}
         self.plan: StepPlan | None = None
+        self.latency_ms: dict[str, float] = {}   # scoring + compaction time, until sent to the scheduler
+
+    def add_latency(self, req_id: str, ms: float) -> None:
+        self.latency_ms[req_id] = self.latency_ms.get(req_id, 0.0) + ms
+
+    def attach_report(self, output):
+        """Send compaction latencies to the scheduler on a ModelRunnerOutput (an attribute survives
+        the pickling between worker and engine core). vLLM's shared empty output is never touched."""
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+        if not self.latency_ms or output is None or output is EMPTY_MODEL_RUNNER_OUTPUT:
+            return output
+        latency, self.latency_ms = self.latency_ms, {}
+        if hasattr(output, "get_output"):  # async scheduling: the real output is built later
+            get_output = output.get_output
+
+            def get_output_with_report():
+                real = get_output()
+                setattr(real, LATENCY_ATTR, latency)
+                return real
+
+            output.get_output = get_output_with_report
+        else:
+            setattr(output, LATENCY_ATTR, latency)
+        return output
 
     def _state_for(self, runner, req_id: str) -> WorkerEviction | None:
         if req_id in self.unevicting:
@@ -159,6 +184,7 @@ class WorkerEvictionState:
         self.plan = None
 
 
+LATENCY_ATTR = "vllm_evict_latency_ms"
 STATE = WorkerEvictionState()
 
 
@@ -172,6 +198,7 @@ def install_runner_hooks() -> None:
     orig_update = GPUModelRunner._update_states
     orig_prepare = GPUModelRunner._prepare_inputs
     orig_execute = GPUModelRunner.execute_model
+    orig_sample = GPUModelRunner.sample_tokens
     orig_block_table_init = MultiGroupBlockTable.__init__
 
     def _update_states(self, scheduler_output):
@@ -185,9 +212,12 @@ def install_runner_hooks() -> None:
 
     def execute_model(self, *args, **kwargs):
         try:
-            return orig_execute(self, *args, **kwargs)
+            return STATE.attach_report(orig_execute(self, *args, **kwargs))
         finally:
             STATE.end_step()
+
+    def sample_tokens(self, *args, **kwargs):
+        return STATE.attach_report(orig_sample(self, *args, **kwargs))
 
     def block_table_init(self, *args, **kwargs):
         # During the compaction step a row holds the prompt blocks plus the P fresh ones.
@@ -201,5 +231,6 @@ def install_runner_hooks() -> None:
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner.execute_model = execute_model
+    GPUModelRunner.sample_tokens = sample_tokens
     MultiGroupBlockTable.__init__ = block_table_init
     GPUModelRunner._vllm_evict_hooked = True
