@@ -3,10 +3,10 @@ plus scheduler block accounting and leak checks. One engine for the whole module
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+
+from tests.engine.inprocess import inprocess_llm
 
 pytestmark = pytest.mark.engine
 
@@ -24,17 +24,8 @@ def random_prompt(seed: int, length: int) -> list[int]:
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     # In-process engine core so the tests can read the scheduler's block tables.
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm_evict.testing.engines import make_llm
-
-    llm = make_llm(tiny_llama, block_size=PAGE, max_num_batched_tokens=256)
-    yield llm
-    del llm
-    if old is None:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+    with inprocess_llm(tiny_llama, block_size=PAGE, max_num_batched_tokens=256) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")

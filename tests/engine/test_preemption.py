@@ -3,10 +3,10 @@ same point and still matches the independent reference; no block leaks. Own engi
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+
+from tests.engine.inprocess import inprocess_llm
 
 pytestmark = pytest.mark.engine
 
@@ -15,19 +15,10 @@ PAGE = 16
 
 @pytest.fixture(scope="module")
 def small_engine(tiny_llama):
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm_evict.testing.engines import make_llm
-
     # 72 blocks = 1152 tokens: three 400-token prompts cannot all stay resident without eviction.
-    llm = make_llm(tiny_llama, block_size=PAGE, num_gpu_blocks_override=72, max_model_len=1024,
-                   max_num_batched_tokens=128)
-    yield llm
-    del llm
-    if old is None:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+    with inprocess_llm(tiny_llama, block_size=PAGE, num_gpu_blocks_override=72, max_model_len=1024,
+                       max_num_batched_tokens=128) as llm:
+        yield llm
 
 
 def test_preempted_requests_match_reference_and_free_all_blocks(small_engine, tiny_llama):
