@@ -113,6 +113,21 @@ def test_question_agnostic_evict_at(engine, reference):
 
 
 
+def test_prefix_hit_up_to_the_eviction_point_still_evicts(engine, reference):
+    """A cached prompt covering the whole compressed prefix (window-0 policy, E a multiple of the page
+    size) must still leave a chunk ending at E, so the request evicts and matches the reference."""
+    from vllm_evict.policies import EvictionConfig
+
+    prompt = random_prompt(12, 480)
+    engine.generate([{"prompt_token_ids": prompt}], params(None, max_tokens=2))   # fills the prefix cache
+    case = {"policy": "keydiff", "budget": 0.25, "evict_at": 320}
+    (out,) = engine.generate([{"prompt_token_ids": prompt}], params(case))
+    assert out.kv_transfer_params["vllm_evict"]["evicted_prefix_tokens"] == 320
+    expected = reference.generate(prompt, MAX_TOKENS, EvictionConfig.from_dict({"policy": "keydiff", "budget": 0.25}),
+                                  evict_at=320, page_size=PAGE)
+    check_against_reference(out, expected, str(case))
+
+
 def test_blocks_held_and_no_leaks(engine):
     """After eviction a request holds exactly P + cdiv(tokens after E, page) blocks; everything returns
     to the free pool after evicting, plain, aborted-mid-prefill and prefix-sharing requests finish."""

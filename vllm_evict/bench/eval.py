@@ -106,6 +106,7 @@ class EvalConfig:
     resume: bool = False
     plot: bool = True
     stop_after: float | None = None           # seconds: start no new generate call after this (then --resume)
+    report_only: bool = False                 # rebuild the tables from <name>_requests.jsonl.gz, no engine
 
     def validate(self) -> None:
         bad = [t for t in self.tasks if t not in TASKS]
@@ -441,7 +442,6 @@ def aggregate(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Per-cell rows (task x length x setting; the full baseline listed under each variant) and summary rows."""
     rows: list[dict[str, Any]] = []
-    full = next((s for s in settings if s.is_full), None)
     expanded: list[tuple[str, Setting]] = []
     for s in settings:
         if s.is_full:
@@ -497,7 +497,6 @@ def aggregate(
         for length in cfg.lengths:
             entry[f"len{length}"] = _mean(r["accuracy"] for r in ok if r["length"] == length)
         summary.append(entry)
-    del full
     return rows, summary
 
 
@@ -538,10 +537,23 @@ def markdown_tables(cfg: EvalConfig, summary: Sequence[dict[str, Any]]) -> str:
         rows = [r for r in summary if r["variant"] == variant and r["policy"] != FULL]
         for policy, allocation in dict.fromkeys((r["policy"], r["allocation"]) for r in rows):
             cells = {float(r["budget"]): r for r in rows if (r["policy"], r["allocation"]) == (policy, allocation)}
-            status = sorted({c["status"] for c in cells.values()})
+            status = sorted({part for c in cells.values() for part in c["status"].split("; ")})
             lines.append(f"| {policy} | {allocation} | " + " | ".join(
                 _pct(cells[b]["accuracy"]) if b in cells else "" for b in budgets) + f" | {'; '.join(status)} |")
         lines.append("")
+    # per task, at the smallest budget >= 0.1 (or the largest below it)
+    if budgets:
+        b = min((x for x in budgets if x >= 0.1 - 1e-9), default=max(budgets))
+        for variant in cfg.variants:
+            rows = [r for r in summary if r["variant"] == variant and r["policy"] != FULL and float(r["budget"]) == b]
+            if not rows:
+                continue
+            lines.append(f"**{variant}, budget {_fmt_budget(b)}, per task**\n")
+            lines.append("| policy | allocation | " + " | ".join(cfg.tasks) + " |")
+            lines.append("|---|---|" + "---|" * len(cfg.tasks))
+            for r in rows:
+                lines.append(f"| {r['policy']} | {r['allocation']} | " + " | ".join(_pct(r[t]) for t in cfg.tasks) + " |")
+            lines.append("")
     # per-task full-cache accuracy
     if full:
         first = next(iter(full.values()))
@@ -566,6 +578,7 @@ def plot(cfg: EvalConfig, summary: Sequence[dict[str, Any]], path: Path, title: 
     budgets = sorted({float(b) for b in cfg.budgets})
     cmap = plt.get_cmap("tab10" if len(cfg.policies) <= 10 else "tab20")
     colors = {p: cmap(i) for i, p in enumerate(cfg.policies)}
+    flagged = False
     for i, variant in enumerate(variants):
         full = next((r for r in summary if r["policy"] == FULL and r["variant"] == variant), None)
         for j, allocation in enumerate(allocations):
@@ -573,13 +586,18 @@ def plot(cfg: EvalConfig, summary: Sequence[dict[str, Any]], path: Path, title: 
             rows = [r for r in summary if r["variant"] == variant and r["allocation"] == allocation]
             skipped = sorted({r["status"] for r in rows if r["status"].startswith("skipped")})
             for policy in cfg.policies:
-                pts = sorted((float(r["budget"]), r["accuracy"]) for r in rows if r["policy"] == policy
-                             and not math.isnan(r["accuracy"]))
+                pts = sorted((float(r["budget"]), r["accuracy"], r["status"] == "ok") for r in rows
+                             if r["policy"] == policy and not math.isnan(r["accuracy"]))
                 if full is not None and pts and not math.isnan(full["accuracy"]):
-                    pts.append((1.0, full["accuracy"]))
+                    pts.append((1.0, full["accuracy"], True))
                 if pts:
                     ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", ms=3,
                             label=policy, color=colors[policy])
+                    bad = [p for p in pts if not p[2]]
+                    if bad:  # some cells of this point did not (fully) evict: flag it
+                        flagged = True
+                        ax.plot([p[0] for p in bad], [100 * p[1] for p in bad], ls="none", marker="x", ms=8,
+                                color=colors[policy])
             if full is not None and not math.isnan(full["accuracy"]):
                 ax.axhline(100 * full["accuracy"], color="black", ls="--", lw=1, label="full cache")
             if skipped:
@@ -601,6 +619,8 @@ def plot(cfg: EvalConfig, summary: Sequence[dict[str, Any]], path: Path, title: 
                 handles.append(h)
                 labels.append(lab)
     fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8)
+    if flagged:
+        title += "\nx = some requests of that point did not evict (status column of the tables)"
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.06 + 0.03 * (len(labels) > 6), 1, 0.95))
     fig.savefig(path, dpi=120)
@@ -655,9 +675,9 @@ def run_eval(cfg: EvalConfig, llm: Any = None, log=None) -> EvalResult:
     t_start = time.time()
     command = cfg.command()
     _log(f"reproduce with: {command}")
-    if cfg.model:
+    if cfg.model and (Path(cfg.model).is_dir() or not cfg.report_only):
         model_dir = cfg.model
-    else:
+    else:  # report-only of a run made elsewhere: the same tokenizer from the local copy
         from vllm_evict.models import prepare_smollm2
 
         model_dir = str(prepare_smollm2())
@@ -670,8 +690,14 @@ def run_eval(cfg: EvalConfig, llm: Any = None, log=None) -> EvalResult:
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     req_path = out_dir / f"{cfg.name}_requests.jsonl.gz"
-    done = _load_done(req_path) if cfg.resume else {}
-    if not cfg.resume and req_path.exists():
+    previous: dict[str, Any] = {}
+    if cfg.report_only:
+        if not req_path.exists():
+            raise FileNotFoundError(f"--report-only needs {req_path}")
+        prev_json = out_dir / f"{cfg.name}.json"
+        previous = json.loads(prev_json.read_text()) if prev_json.exists() else {}
+    done = _load_done(req_path) if (cfg.resume or cfg.report_only) else {}
+    if not (cfg.resume or cfg.report_only) and req_path.exists():
         req_path.unlink()
     # reuse only records of the very same prompts (same task/length/index and token ids)
     fingerprints = {s.uid: _fingerprint(s) for s in samples}
@@ -679,13 +705,17 @@ def run_eval(cfg: EvalConfig, llm: Any = None, log=None) -> EvalResult:
     done = {k: v for k, v in done.items() if v}
 
     engine_args = engine_arguments(cfg, model_dir, samples + [probe_sample])
-    own_llm = llm is None
-    if own_llm:
+    own_llm = llm is None and not cfg.report_only
+    if cfg.report_only:
+        probe = EngineProbe(**previous["probe"]) if "probe" in previous else EngineProbe(True, True, [])
+        engine_args = previous.get("engine_args", engine_args)
+    elif own_llm:
         _log(f"starting vLLM: {engine_args}")
         t0 = time.time()
         llm = make_llm(engine_args)
         _log(f"engine up in {time.time() - t0:.0f} s")
-    probe = probe_engine(llm, probe_sample, _log)
+    if not cfg.report_only:
+        probe = probe_engine(llm, probe_sample, _log)
     for m in probe.messages:
         _log(m)
 
@@ -717,6 +747,8 @@ def run_eval(cfg: EvalConfig, llm: Any = None, log=None) -> EvalResult:
     bar = tqdm(total=total, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True)
     stopped = False
     for chunk in chunks:
+        if cfg.report_only:
+            break
         if cfg.stop_after is not None and time.time() - t_start > cfg.stop_after:
             stopped = True
             _log(f"--stop-after {cfg.stop_after:g} s reached: stopping; continue with the same command + --resume")
@@ -767,7 +799,7 @@ def run_eval(cfg: EvalConfig, llm: Any = None, log=None) -> EvalResult:
     }
     _write_csv(Path(files["csv"]), rows)
     _write_csv(Path(files["summary_csv"]), summary)
-    env = _environment(model_dir)
+    env = previous.get("environment") or _environment(model_dir)
     title = (f"SmolLM2-135M-Instruct, RULER-style {','.join(cfg.tasks)} at {','.join(map(str, cfg.lengths))} "
              f"tokens, n={cfg.samples}/cell, {env.get('device')}")
     tables = markdown_tables(cfg, summary)
@@ -778,12 +810,20 @@ def run_eval(cfg: EvalConfig, llm: Any = None, log=None) -> EvalResult:
         files["png"] = str(out_dir / f"{cfg.name}.png")
         plot(cfg, summary, Path(files["png"]), title)
     wall = time.time() - t_start
+    now = _dt.datetime.now(_dt.timezone.utc).isoformat()
+    if cfg.resume and previous == {} and (out_dir / f"{cfg.name}.json").exists():
+        previous = json.loads((out_dir / f"{cfg.name}.json").read_text())
     payload = {
-        "command": command, "config": asdict(cfg), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-        "environment": env, "engine_args": {k: v for k, v in engine_args.items()}, "model_dir": model_dir,
-        "probe": asdict(probe), "skipped": skipped, "generate_calls": timings, "wall_seconds": round(wall, 1),
+        "command": command, "config": asdict(cfg), "date": previous.get("date", now) if cfg.report_only else now,
+        "environment": env, "engine_args": {k: v for k, v in engine_args.items()},
+        "model_dir": previous.get("model_dir", model_dir) if cfg.report_only else model_dir,
+        "probe": asdict(probe), "skipped": skipped,
+        "generate_calls": previous.get("generate_calls", []) + timings,
+        "wall_seconds": previous.get("wall_seconds", 0) + (0 if cfg.report_only else round(wall, 1)),
         "n_samples_total": len(samples), "complete": complete, "summary": summary, "rows": rows,
     }
+    if cfg.report_only:
+        payload["tables_rebuilt"] = now
     Path(files["json"]).write_text(json.dumps(payload, indent=1, default=str) + "\n")
     _log(f"wrote {', '.join(files.values())} in {wall:.0f} s")
     print(tables)

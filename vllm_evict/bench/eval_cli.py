@@ -34,7 +34,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         enable_prefix_caching=not args.no_prefix_caching, chunk_samples=args.chunk_samples,
         enforce_eager=args.enforce_eager,
         save_predictions=not args.no_predictions, resume=args.resume, plot=not args.no_plot,
-        stop_after=args.stop_after,
+        stop_after=args.stop_after, report_only=args.report_only,
     )
 
 
@@ -96,5 +96,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
                    help="start no new generate call after this many seconds and write partial outputs; "
                         "finish later with the same command plus --resume (for time-limited machines)")
+    p.add_argument("--report-only", action="store_true",
+                   help="no engine: rebuild CSV/JSON/Markdown/PNG from <out>/<name>_requests.jsonl.gz "
+                        "(keeps the original run's environment, probe and timings)")
     p.add_argument("--no-plot", action="store_true")
     p.set_defaults(func=_cmd_eval)

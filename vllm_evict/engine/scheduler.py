@@ -5,7 +5,8 @@ head keeps exactly P*H_kv head-pages per layer, i.e. exactly P blocks, because a
 of every KV head. So after compaction it needs `P + cdiv(tokens after E, block_size)` blocks.
 
 Life of an evicting request, as the scheduler sees it:
-1. Prefix-cache hits are capped at E - w so the worker computes the window queries itself.
+1. Prefix-cache hits are capped at E - max(w, 1) so a chunk ends at E and the worker computes the
+   window queries itself.
 2. Prefill chunks are cut so one chunk ends exactly at E.
 3. When that chunk is scheduled, P fresh (never hashed, never shared) blocks are allocated with it and
    sent to the worker after the prompt blocks; the worker compacts the kept pages into them at the end
@@ -60,7 +61,9 @@ class EvictionKVCacheManager(KVCacheManager):
         ev = self.evictions.get(request.request_id)
         if ev is None or ev.compacted or num_hits == 0:
             return (blocks, num_hits, *rest)
-        limit = max(0, ev.evict_at - ev.window) // self.page_size * self.page_size
+        # At least one token (and all w window tokens) before E must be computed here, so that a chunk
+        # ends at E and the worker sees the window queries.
+        limit = max(0, ev.evict_at - max(ev.window, 1)) // self.page_size * self.page_size
         if num_hits > limit:
             keep = limit // self.page_size
             blocks = KVCacheBlocks(tuple(list(group[:keep]) for group in blocks.blocks))

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Quality evaluation (docs/QUALITY.md) on the GPU device machine: SmolLM2-135M-Instruct, RULER-style tasks,
+# every policy x allocation x budget, question-aware and question-agnostic.
+#
+# The device machine has no package registry and no model hub, and one call carries at most 64 MiB of
+# working tree, so the 98 MB GGUF travels in two parts (< 64 MiB each) together with a `gguf` wheel, is
+# joined and checksummed there, and converted there (transformers + accelerate are in the GPU image).
+# vLLM itself travels as the split bundle of ../shared/gpu/build_vllm_bundle.sh.
+#
+# Here (repo root, needs PyPI; once):
+#     bash ../shared/gpu/build_vllm_bundle.sh              # -> .vllm-gpu/part1..N
+#     bash benchmarks/quality_gpu.sh prepare              # -> .quality-gpu/part1, part2
+# Device calls, back to back (a machine stays warm only ~30 s between calls; a cold one needs all parts again):
+#     run(carry=[".vllm-gpu/partK"], command="bash .vllm-gpu/partK/stage.sh")            # K = 1..N
+#     run(carry=[".quality-gpu/part1"], command="bash benchmarks/quality_gpu.sh stage .quality-gpu/part1")
+#     run(carry=[".quality-gpu/part2"], command="bash benchmarks/quality_gpu.sh stage .quality-gpu/part2 && bash benchmarks/quality_gpu.sh run")
+#     run(command="bash benchmarks/quality_gpu.sh run")   # repeat until it prints "quality: complete"
+# Each `run` works for at most STOP_AFTER seconds (default 480, under the 10-minute command limit), then
+# writes the (partial) tables to $OUT/quality/; the next `run` resumes from /tmp/quality on the same warm
+# machine. Samples are processed in blocks of CHUNK indices across every task and length, so a run that
+# stops early still fills every cell, with fewer samples (status "incomplete (k/N)" in the tables).
+# Copy $OUT/quality/* into docs/quality/ and commit ruler_gpu.{csv,json,md,png,_summary.csv}.
+#
+# Knobs (environment): SAMPLES (100 per task x length), LENGTHS ("1024 2048 4096 8192"), TASKS (all),
+# POLICIES ("core": the 9 SPEC policies; "all" adds tova h2o knorm), BUDGETS ("0.05 0.1 0.2 0.4 1.0"),
+# VARIANTS ("aware agnostic"), CHUNK (10), STOP_AFTER (480), NAME (ruler_gpu), PREDICTIONS (0: the
+# per-request log omits generated texts so that ruler_gpu_requests.jsonl.gz stays under the 16 MiB a file
+# that can come back from the device; 1 keeps them).
+# Cost: about 2400 samples x 137 settings = 329K requests at the defaults; prefix caching makes every
+# setting after the first re-prefill only the last window (+ question) of a prompt. The first `run`
+# prints req/s per block: lower SAMPLES if the whole grid does not fit the session's device time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STAGE=/tmp/qgpu
+WHEEL_REQ="gguf==0.19.0"
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+MODEL_DIR=$STAGE/models/SmolLM2-135M-Instruct
+WORK=/tmp/quality
+
+cmd=${1:-}
+case "$cmd" in
+prepare)  # here: split the GGUF into two parts, fetch the gguf wheel (pure Python)
+  PY=${PYTHON:-.venv/bin/python}
+  grep -qx '/.quality-gpu/' .git/info/exclude 2>/dev/null || echo '/.quality-gpu/' >> .git/info/exclude
+  src=$("$PY" -c "
+import sys
+from vllm_evict.models import locate_gguf, check_gguf
+p = locate_gguf(); check_gguf(p); print(p)")
+  rm -rf .quality-gpu && mkdir -p .quality-gpu/part1 .quality-gpu/part2
+  half=$(( ($(stat -c %s "$src") + 1) / 2 ))
+  head -c "$half" "$src" > .quality-gpu/part1/gguf.part1
+  tail -c +"$((half + 1))" "$src" > .quality-gpu/part2/gguf.part2
+  "$PY" -m pip download -q --no-deps --only-binary=:all: -d .quality-gpu/part1 "$WHEEL_REQ"
+  du -sh .quality-gpu/part*
+  ;;
+stage)    # device: keep this part in $STAGE; join once both are there
+  part=${2:?usage: stage .quality-gpu/partN}
+  mkdir -p "$STAGE"
+  cp -f "$part"/* "$STAGE"/
+  if [ -f "$STAGE/gguf.part1" ] && [ -f "$STAGE/gguf.part2" ]; then
+    cat "$STAGE/gguf.part1" "$STAGE/gguf.part2" > "$STAGE/$GGUF_NAME"
+    echo "$GGUF_SHA256  $STAGE/$GGUF_NAME" | sha256sum -c -
+  else
+    echo "quality: staged $part; waiting for the other GGUF part"
+  fi
+  ;;
+run)      # device: convert (once per machine), then evaluate for at most STOP_AFTER seconds
+  [ -f /tmp/vsite/READY ] || { echo "vLLM bundle missing: stage .vllm-gpu/part* first (fresh machine?)"; exit 2; }
+  [ -f "$STAGE/$GGUF_NAME" ] || { echo "GGUF missing: stage .quality-gpu/part1 and part2 first"; exit 2; }
+  export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} VLLM_USE_V2_MODEL_RUNNER=0 VLLM_USE_FLASHINFER_SAMPLER=0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$STAGE/site" \
+    "$STAGE"/gguf-*.whl
+  # vllm-evict from this checkout, plus a dist-info so that vLLM finds its `vllm.general_plugins` entry point
+  mkdir -p "$STAGE/site/vllm_evict-0.1.0.dist-info"
+  printf 'Metadata-Version: 2.1\nName: vllm-evict\nVersion: 0.1.0\n' > "$STAGE/site/vllm_evict-0.1.0.dist-info/METADATA"
+  printf '[vllm.general_plugins]\nvllm_evict = vllm_evict.engine.plugin:register\n' \
+    > "$STAGE/site/vllm_evict-0.1.0.dist-info/entry_points.txt"
+  export PYTHONPATH=$PWD:$STAGE/site:$PYTHONPATH PYTHONUNBUFFERED=1
+  python3 -m vllm_evict.cli prepare-model --gguf "$STAGE/$GGUF_NAME" --cache-dir "$MODEL_DIR"
+  set +e
+  # shellcheck disable=SC2086
+  python3 -m vllm_evict.cli eval --model "$MODEL_DIR" \
+    --tasks ${TASKS:-passkey niah_single niah_multikey niah_multivalue vt cwe} \
+    --lengths ${LENGTHS:-1024 2048 4096 8192} --samples "${SAMPLES:-100}" \
+    --variants ${VARIANTS:-aware agnostic} --policies ${POLICIES:-core} --allocations uniform adakv \
+    --budgets ${BUDGETS:-0.05 0.1 0.2 0.4 1.0} --chunk-samples "${CHUNK:-10}" \
+    --out "$WORK" --name "${NAME:-ruler_gpu}" --resume --stop-after "${STOP_AFTER:-480}" \
+    $([ "${PREDICTIONS:-0}" = 1 ] || echo --no-predictions)
+  rc=$?
+  set -e
+  if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT/quality" && cp -f "$WORK"/* "$OUT/quality/"
+  fi
+  case $rc in
+    0) echo "quality: complete" ;;
+    3) echo "quality: incomplete; run 'bash benchmarks/quality_gpu.sh run' again on the warm machine" ;;
+    *) echo "quality: eval failed (exit $rc)"; exit $rc ;;
+  esac
+  ;;
+*)
+  sed -n '2,32p' "$0"; exit 2 ;;
+esac
