@@ -81,7 +81,12 @@ def resolve(request_eviction: Any, defaults: dict[str, Any]) -> Any:
         raise EvictionFieldError(f"invalid eviction: evict_at must be a positive integer, got {evict_at!r}")
     try:
         cfg = _eviction_config_cls().from_dict(merged)
-        return cfg if evict_at is None or cfg is None else WithEvictAt(cfg, evict_at)
+        cfg = cfg if evict_at is None or cfg is None else WithEvictAt(cfg, evict_at)
+        if cfg is not None:  # engine-level constraints (the engine validates the same way)
+            from vllm_evict.engine.request_config import parse_request
+
+            parse_request({EXTRA_ARGS_KEY: cfg.to_dict()})
+        return cfg
     except EvictionFieldError:
         raise
     except (ValueError, TypeError) as exc:

@@ -185,10 +185,11 @@ def test_blocks_held_and_no_leaks(engine):
 @pytest.mark.parametrize("bad", [{"policy": "nope", "budget": 0.1}, {"policy": "snapkv", "budget": 0},
                                  {"policy": "snapkv", "budget": 1.5}, {"policy": "snapkv", "budget": 0.2,
                                                                         "pool_kernel": 4},
-                                 {"policy": "snapkv", "budget": 0.2, "evict_at": 0}])
+                                 {"policy": "snapkv", "budget": 0.2, "evict_at": 0},
+                                 {"policy": "keydiff", "budget": 0.2, "chunked": True}])
 def test_invalid_eviction_fails_the_request_not_the_engine(engine, bad):
     prompt = random_prompt(9, 100)
-    with pytest.raises(ValueError, match="policy|budget|pool_kernel|evict_at"):
+    with pytest.raises(ValueError, match="policy|budget|pool_kernel|evict_at|chunked"):
         engine.generate([{"prompt_token_ids": prompt}], params(bad))
     # the engine keeps serving
     out = engine.generate([{"prompt_token_ids": prompt}], params(None, max_tokens=4))

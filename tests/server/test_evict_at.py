@@ -23,3 +23,8 @@ def test_engine_parses_what_the_server_sends():
     extra = to_extra_args(resolve({"policy": "dropkv", "budget": 64, "evict_at": 500}, {}))
     spec = parse_request(extra)
     assert spec.evict_at == 500 and spec.eviction_point(800) == 500 and spec.config.budget == 64
+
+
+def test_engine_unsupported_chunked_is_a_field_error():
+    with pytest.raises(EvictionFieldError, match="chunked"):
+        resolve({"policy": "keydiff", "budget": 0.2, "chunked": True}, {})

@@ -43,6 +43,10 @@ def _from_mapping(spec: Mapping[str, Any]) -> RequestEviction | None:
     if evict_at is not None and (isinstance(evict_at, bool) or not isinstance(evict_at, int) or evict_at < 1):
         raise ValueError(f"evict_at must be a positive integer (prompt tokens), got {evict_at!r}")
     config = EvictionConfig.from_dict(spec)
+    if config is not None and config.chunked:
+        # SPEC §4.3's block-wise KeyDiff needs repeated eviction during prefill; the engine evicts once.
+        raise ValueError("chunked=true (block-wise keydiff) is not supported by the engine yet; "
+                         "use chunked=false (one-shot keydiff at the end of the prompt)")
     return None if config is None else RequestEviction(config, evict_at)
 
 
