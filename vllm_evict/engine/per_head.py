@@ -4,6 +4,9 @@ Sequence (h, r) for head h of batch row r reads its own pages: for an uncompacte
 blocks' slot h (block * H + h, i.e. the standard layout); for a compacted one its kept pages of this
 layer followed by slot h of its tail blocks. Sequences are ordered head-major (h, r) so the query
 reorder is one transpose: [T, H, g, D] -> [H, T, g, D].
+
+The compacted rows' per-layer pages are stacked once per step (CompactedBatch) and every layer then
+builds its tables with a few batched tensor ops: no Python loop over rows or heads per layer.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -20,54 +24,79 @@ class VirtualTables:
     seq_lens: torch.Tensor  # [H, R] int64 virtual lengths
 
 
+@dataclass
+class CompactedBatch:
+    """The compacted rows of one step, all layers: built once per step, read by every layer."""
+
+    rows: torch.Tensor    # [Rc] batch rows
+    pages: torch.Tensor   # [Rc, L, H, Pm] int32 kept pages (padded)
+    counts: torch.Tensor  # [Rc, L, H] int64 pages per head
+    shift: torch.Tensor   # [Rc, L, H] int64 E - kept tokens
+    tail: torch.Tensor    # [Rc, Tm] int32 tail blocks (padded with 0)
+
+
+def stacked_layers(state, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """([L, H, Pm] pages, [L, H] counts, [L, H] shift) of a compacted request; built once."""
+    if state.stacked is None:  # indexed by layer index (layers without attention stay zero)
+        num_layers = max(state.layers) + 1
+        num_heads = next(iter(state.layers.values())).pages.shape[0]
+        width = max(layout.pages.shape[1] for layout in state.layers.values())
+        pages = torch.zeros(num_layers, num_heads, width, dtype=torch.int32, device=device)
+        counts = torch.zeros(num_layers, num_heads, dtype=torch.int64, device=device)
+        shift = torch.zeros(num_layers, num_heads, dtype=torch.int64, device=device)
+        for i, layout in state.layers.items():
+            pages[i, :, : layout.pages.shape[1]] = layout.pages.to(device)
+            counts[i] = layout.page_counts.to(device=device, dtype=torch.int64)
+            shift[i] = state.evict_at - layout.kept.to(device=device, dtype=torch.int64)
+        state.stacked = (pages, counts, shift)
+    return state.stacked
+
+
+def compacted_batch(plan, block_table: torch.Tensor) -> CompactedBatch:
+    if plan.compacted is not None:
+        return plan.compacted
+    device = block_table.device
+    parts = [stacked_layers(plan.states[r], device) for r in plan.compacted_rows]
+    width = max(p[0].shape[-1] for p in parts)
+    pages = torch.stack([F.pad(p[0], (0, width - p[0].shape[-1])) for p in parts])
+    counts = torch.stack([p[1] for p in parts])
+    shift = torch.stack([p[2] for p in parts])
+    rows = torch.tensor(plan.compacted_rows, device=device)
+    first = torch.tensor([plan.states[r].pages for r in plan.compacted_rows], device=device)
+    end = torch.tensor([plan.row_blocks[r] for r in plan.compacted_rows], device=device)
+    tail_len = max(max(plan.row_blocks[r] - plan.states[r].pages for r in plan.compacted_rows), 1)
+    col = first.unsqueeze(1) + torch.arange(tail_len, device=device).unsqueeze(0)       # [Rc, Tm]
+    tail = block_table[rows.unsqueeze(1), col.clamp(max=block_table.shape[1] - 1)].to(torch.int32)
+    tail = torch.where(col < end.unsqueeze(1), tail, torch.zeros_like(tail))
+    plan.compacted = CompactedBatch(rows=rows, pages=pages, counts=counts, shift=shift, tail=tail)
+    return plan.compacted
+
+
 def virtual_tables(plan, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
                    num_heads: int) -> VirtualTables:
     device = block_table.device
-    page_size = plan.page_size
     num_reqs = block_table.shape[0]
     width = min(block_table.shape[1], plan.max_blocks)
     block_table = block_table[:, :width].to(torch.int32)
     heads = torch.arange(num_heads, dtype=torch.int32, device=device)
-    extra = max((plan.states[r].layers[layer].pages.shape[1] for r in plan.compacted_rows), default=0)
+    batch = compacted_batch(plan, block_table) if plan.compacted_rows else None
+    extra = batch.pages.shape[-1] if batch is not None else 0
     pages = torch.zeros(num_heads, num_reqs, width + extra, dtype=torch.int32, device=device)
     pages[:, :, :width] = block_table.unsqueeze(0) * num_heads + heads.view(-1, 1, 1)
     shift = torch.zeros(num_heads, num_reqs, dtype=torch.int64, device=device)
-    if plan.compacted_rows:
-        rows, shifts = [], []
-        for r in plan.compacted_rows:
-            state = plan.states[r]
-            tail = block_table[r, state.pages: plan.row_blocks[r]]
-            row, row_shift = _compacted_row(state, layer, tail, num_heads)
-            rows.append(torch.nn.functional.pad(row, (0, width + extra - row.shape[1])))
-            shifts.append(row_shift)
-        index = torch.tensor(plan.compacted_rows, device=device)
-        pages[:, index] = torch.stack(rows, dim=1)
-        shift[:, index] = torch.stack(shifts, dim=1).to(torch.int64)
+    if batch is not None:
+        full = width + extra
+        num_rows, tail_len = batch.tail.shape
+        col = torch.arange(full, device=device)
+        counts = batch.counts[:, layer].unsqueeze(-1)                                  # [Rc, H, 1]
+        kept_pages = F.pad(batch.pages[:, layer], (0, full - extra))                     # [Rc, H, W]
+        tail_col = (col - counts).clamp(0, tail_len - 1)                                  # [Rc, H, W]
+        tail_pages = torch.gather(batch.tail.unsqueeze(1).expand(num_rows, num_heads, tail_len), 2, tail_col)
+        tail_pages = tail_pages * num_heads + heads.view(1, -1, 1)
+        rows_pages = torch.where(col < counts, kept_pages, tail_pages)
+        pages[:, batch.rows] = rows_pages.transpose(0, 1)
+        shift[:, batch.rows] = batch.shift[:, layer].T
     return VirtualTables(pages=pages, shift=shift, seq_lens=seq_lens.to(torch.int64).unsqueeze(0) - shift)
-
-
-def _compacted_row(state, layer: int, tail: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """([H, max_p + tail] pages, [H] shift) of a compacted request in one layer: its kept pages, then
-    slot h of its tail blocks. Cached per layer until a tail block is added."""
-    cached = state.table_cache.get(layer)
-    if cached is not None and cached[0] == tail.numel():
-        return cached[1], cached[2]
-    device = tail.device
-    layout = state.layers[layer]
-    width = layout.pages.shape[1] + tail.numel()
-    counts = layout.page_counts.to(device).unsqueeze(1)                        # [H, 1]
-    col = torch.arange(width, device=device).unsqueeze(0)
-    heads = torch.arange(num_heads, dtype=torch.int32, device=device).unsqueeze(1)
-    own = torch.zeros(num_heads, width, dtype=torch.int32, device=device)
-    own[:, : layout.pages.shape[1]] = layout.pages
-    if tail.numel():
-        tail_pages = tail[(col - counts).clamp(0, tail.numel() - 1)] * num_heads + heads
-    else:
-        tail_pages = torch.zeros_like(own)
-    row = torch.where(col < counts, own, tail_pages)
-    shift = (state.evict_at - layout.kept).to(device=device, dtype=torch.int64)
-    state.table_cache[layer] = (tail.numel(), row, shift)
-    return row, shift
 
 
 def token_slots(tables: VirtualTables, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

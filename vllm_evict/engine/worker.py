@@ -30,7 +30,7 @@ class WorkerEviction:
     window: int                         # w
     q_window: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [w, Hq, D]
     layers: dict[int, LayerCompaction] = field(default_factory=dict)  # filled during the compaction step
-    table_cache: dict = field(default_factory=dict)                    # per_head._compacted_row
+    stacked: tuple | None = None        # per_head.stacked_layers: all layers' pages, built once
     compacted: bool = False             # True from the step after compaction
     prompt_blocks: int = 0              # cdiv(E, page_size): prompt blocks before the P fresh ones
 
@@ -53,6 +53,7 @@ class StepPlan:
     page_size: int
     max_blocks: int                          # widest block-table row this step needs
     row_blocks: list[int]                    # blocks in each row's block-table row
+    compacted: object | None = None          # per_head.CompactedBatch, built by the first layer
 
     @property
     def per_head(self) -> bool:
