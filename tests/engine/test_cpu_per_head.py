@@ -82,9 +82,9 @@ def test_compact_then_decode_matches_explicit(allocation):
     seq_lens = torch.tensor([E + m], dtype=torch.int32)
     plan = StepPlan(num_reqs=1, states=[state], captures=[], compacting=[], compacted_rows=[0], page_size=N, max_blocks=4,
                     row_blocks=[3])
-    tables = per_head.virtual_tables(plan, 0, block_row, seq_lens, H)
     qsl = torch.tensor([0, m], dtype=torch.int32)  # m-token chunk (causal) after compaction
-    slots_new = per_head.token_slots(tables, qsl, seq_lens, N, m)
+    tables = per_head.virtual_tables(plan, 0, block_row, seq_lens, qsl, m, H)
+    slots_new = per_head.token_slots(tables, N)
     cache.write_pages(new_k.reshape(m * H, D), new_v.reshape(m * H, D), slots_new.reshape(-1))
 
     q = torch.randn(m, H * G, D)

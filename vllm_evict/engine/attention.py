@@ -71,9 +71,9 @@ class EvictionAttentionMixin:
         num_reqs = plan.num_reqs
         qsl = md.query_start_loc[: num_reqs + 1]
         seq_lens = md.seq_lens[:num_reqs]
-        tables = per_head.virtual_tables(plan, layer_idx, md.block_table[:num_reqs], seq_lens, H)
+        tables = per_head.virtual_tables(plan, layer_idx, md.block_table[:num_reqs], seq_lens, qsl, n, H)
         if self.kv_sharing_target_layer_name is None:
-            slots = per_head.token_slots(tables, qsl, seq_lens, plan.page_size, n)
+            slots = per_head.token_slots(tables, plan.page_size)
             cache.write_pages(key[:n].reshape(n * H, D), value[:n].reshape(n * H, D), slots.reshape(-1))
         q = query[:n].view(n, H, g, D).transpose(0, 1).reshape(H * n, g, D)
         vqsl = per_head.query_start_loc(qsl, H, n)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_evict.policies import allocate_pages, score_tokens, select_tokens
+from vllm_evict.policies import allocate_pages, keep_mask, kept_counts, score_tokens
 from vllm_evict.policies.config import EvictionConfig
 
 
@@ -38,12 +38,13 @@ def assign_head_pages(page_counts: list[int], fresh_blocks: list[int], num_heads
 
 def plan_compaction(config: EvictionConfig, q_window: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     scale: float, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kept mask [H, E] and pages per head [H] for keys/values [E, H, D] and window queries [w, Hq, D]."""
+    """Kept mask [H, E] and pages per head [H] for keys/values [E, H, D] and window queries [w, Hq, D].
+
+    Same result as `select_tokens`, but the allocation (Ada-KV's global sort) runs once."""
     scores = score_tokens(config.policy, q_window, keys, values, scale=scale, **config.score_options())
-    options = config.select_options()
-    page_counts = allocate_pages(scores, config.budget, page_size=page_size, **options)
-    keep = select_tokens(scores, config.budget, page_size=page_size, **options)
-    return keep, page_counts.to(torch.int64).cpu()
+    page_counts = allocate_pages(scores, config.budget, page_size=page_size, **config.select_options())
+    keep = keep_mask(scores, kept_counts(page_counts, scores.shape[1], page_size))
+    return keep, page_counts.to(torch.int64)
 
 
 def compaction_slots(keep: torch.Tensor, page_counts: torch.Tensor, fresh_blocks: list[int],
@@ -57,7 +58,7 @@ def compaction_slots(keep: torch.Tensor, page_counts: torch.Tensor, fresh_blocks
     max_p = max(len(p) for p in head_pages)
     pages = torch.tensor([p + [0] * (max_p - len(p)) for p in head_pages], dtype=torch.int32, device=device)
     head_idx, token_idx = keep.nonzero(as_tuple=True)            # row-major: per head, ascending position
-    kept = torch.bincount(head_idx, minlength=num_heads)
+    kept = keep.sum(dim=1)
     first = torch.cumsum(kept, 0) - kept
     virtual = torch.arange(head_idx.numel(), device=device) - first[head_idx]
     slot = pages[head_idx, virtual // page_size].to(torch.int64) * page_size + virtual % page_size

@@ -5,8 +5,9 @@ blocks' slot h (block * H + h, i.e. the standard layout); for a compacted one it
 layer followed by slot h of its tail blocks. Sequences are ordered head-major (h, r) so the query
 reorder is one transpose: [T, H, g, D] -> [H, T, g, D].
 
-The compacted rows' per-layer pages are stacked once per step (CompactedBatch) and every layer then
-builds its tables with a few batched tensor ops: no Python loop over rows or heads per layer.
+Everything layer-independent (identity tables, token rows and positions, the compacted rows' pages of
+all layers) is built once per step (StepTables); each layer then only overwrites its compacted rows
+with a few batched tensor ops: no Python loop over rows or heads per layer.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import torch.nn.functional as F
 
 @dataclass
 class VirtualTables:
-    pages: torch.Tensor     # [H, R, W] int32 page ids
-    shift: torch.Tensor     # [H, R] int64: semantic position - virtual position
-    seq_lens: torch.Tensor  # [H, R] int64 virtual lengths
+    pages: torch.Tensor      # [H, R, W] int32 page ids
+    shift: torch.Tensor      # [H, R] int64: semantic position - virtual position
+    seq_lens: torch.Tensor   # [H, R] int64 virtual lengths
+    req: torch.Tensor        # [T] batch row of every scheduled token
+    positions: torch.Tensor  # [T] semantic position of every scheduled token
 
 
 @dataclass
@@ -33,6 +36,16 @@ class CompactedBatch:
     counts: torch.Tensor  # [Rc, L, H] int64 pages per head
     shift: torch.Tensor   # [Rc, L, H] int64 E - kept tokens
     tail: torch.Tensor    # [Rc, Tm] int32 tail blocks (padded with 0)
+
+
+@dataclass
+class StepTables:
+    """Everything of the per-head tables that does not depend on the layer: built by the first layer."""
+
+    identity: torch.Tensor        # [H, R, W] int32 standard-layout pages (slot h of each block)
+    req: torch.Tensor             # [T]
+    positions: torch.Tensor       # [T]
+    compacted: CompactedBatch | None
 
 
 def stacked_layers(state, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -53,8 +66,6 @@ def stacked_layers(state, device) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def compacted_batch(plan, block_table: torch.Tensor) -> CompactedBatch:
-    if plan.compacted is not None:
-        return plan.compacted
     device = block_table.device
     parts = [stacked_layers(plan.states[r], device) for r in plan.compacted_rows]
     width = max(p[0].shape[-1] for p in parts)
@@ -68,49 +79,56 @@ def compacted_batch(plan, block_table: torch.Tensor) -> CompactedBatch:
     col = first.unsqueeze(1) + torch.arange(tail_len, device=device).unsqueeze(0)       # [Rc, Tm]
     tail = block_table[rows.unsqueeze(1), col.clamp(max=block_table.shape[1] - 1)].to(torch.int32)
     tail = torch.where(col < end.unsqueeze(1), tail, torch.zeros_like(tail))
-    plan.compacted = CompactedBatch(rows=rows, pages=pages, counts=counts, shift=shift, tail=tail)
-    return plan.compacted
+    return CompactedBatch(rows=rows, pages=pages, counts=counts, shift=shift, tail=tail)
+
+
+def step_tables(plan, block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                num_tokens: int, num_heads: int) -> StepTables:
+    if plan.tables is not None:
+        return plan.tables
+    device = block_table.device
+    width = min(block_table.shape[1], plan.max_blocks)
+    block_table = block_table[:, :width].to(torch.int32)
+    compacted = compacted_batch(plan, block_table) if plan.compacted_rows else None
+    extra = compacted.pages.shape[-1] if compacted is not None else 0
+    heads = torch.arange(num_heads, dtype=torch.int32, device=device).view(-1, 1, 1)
+    identity = F.pad(block_table.unsqueeze(0) * num_heads + heads, (0, extra))
+    qsl = query_start_loc.to(torch.int64)
+    req = torch.repeat_interleave(torch.arange(seq_lens.numel(), device=device), qsl[1:] - qsl[:-1],
+                                  output_size=num_tokens)
+    positions = seq_lens.to(torch.int64)[req] - (qsl[req + 1] - torch.arange(num_tokens, device=device))
+    plan.tables = StepTables(identity=identity, req=req, positions=positions, compacted=compacted)
+    return plan.tables
 
 
 def virtual_tables(plan, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                   num_heads: int) -> VirtualTables:
-    device = block_table.device
-    num_reqs = block_table.shape[0]
-    width = min(block_table.shape[1], plan.max_blocks)
-    block_table = block_table[:, :width].to(torch.int32)
-    heads = torch.arange(num_heads, dtype=torch.int32, device=device)
-    batch = compacted_batch(plan, block_table) if plan.compacted_rows else None
-    extra = batch.pages.shape[-1] if batch is not None else 0
-    pages = torch.zeros(num_heads, num_reqs, width + extra, dtype=torch.int32, device=device)
-    pages[:, :, :width] = block_table.unsqueeze(0) * num_heads + heads.view(-1, 1, 1)
-    shift = torch.zeros(num_heads, num_reqs, dtype=torch.int64, device=device)
+                   query_start_loc: torch.Tensor, num_tokens: int, num_heads: int) -> VirtualTables:
+    step = step_tables(plan, block_table, seq_lens, query_start_loc, num_tokens, num_heads)
+    pages = step.identity
+    shift = torch.zeros(pages.shape[:2], dtype=torch.int64, device=pages.device)
+    batch = step.compacted
     if batch is not None:
-        full = width + extra
+        pages = pages.clone()
+        full = pages.shape[-1]
         num_rows, tail_len = batch.tail.shape
-        col = torch.arange(full, device=device)
+        col = torch.arange(full, device=pages.device)
+        heads = torch.arange(num_heads, dtype=torch.int32, device=pages.device).view(1, -1, 1)
         counts = batch.counts[:, layer].unsqueeze(-1)                                  # [Rc, H, 1]
-        kept_pages = F.pad(batch.pages[:, layer], (0, full - extra))                     # [Rc, H, W]
+        kept_pages = F.pad(batch.pages[:, layer], (0, full - batch.pages.shape[-1]))     # [Rc, H, W]
         tail_col = (col - counts).clamp(0, tail_len - 1)                                  # [Rc, H, W]
         tail_pages = torch.gather(batch.tail.unsqueeze(1).expand(num_rows, num_heads, tail_len), 2, tail_col)
-        tail_pages = tail_pages * num_heads + heads.view(1, -1, 1)
-        rows_pages = torch.where(col < counts, kept_pages, tail_pages)
+        rows_pages = torch.where(col < counts, kept_pages, tail_pages * num_heads + heads)
         pages[:, batch.rows] = rows_pages.transpose(0, 1)
         shift[:, batch.rows] = batch.shift[:, layer].T
-    return VirtualTables(pages=pages, shift=shift, seq_lens=seq_lens.to(torch.int64).unsqueeze(0) - shift)
+    return VirtualTables(pages=pages, shift=shift, seq_lens=seq_lens.to(torch.int64).unsqueeze(0) - shift,
+                         req=step.req, positions=step.positions)
 
 
-def token_slots(tables: VirtualTables, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                page_size: int, num_tokens: int) -> torch.Tensor:
+def token_slots(tables: VirtualTables, page_size: int) -> torch.Tensor:
     """Per-head cache slot [T, H] of every scheduled token (page * page_size + offset)."""
-    device = seq_lens.device
-    qsl = query_start_loc.to(torch.int64)
-    num_reqs = seq_lens.numel()
-    req = torch.repeat_interleave(torch.arange(num_reqs, device=device), qsl[1:] - qsl[:-1],
-                                  output_size=num_tokens)
-    positions = seq_lens.to(torch.int64)[req] - (qsl[req + 1] - torch.arange(num_tokens, device=device))
-    vpos = positions.unsqueeze(0) - tables.shift[:, req]                       # [H, T]
-    heads = torch.arange(tables.pages.shape[0], device=device).unsqueeze(1)
-    page = tables.pages[heads, req.unsqueeze(0), vpos // page_size].to(torch.int64)
+    vpos = tables.positions.unsqueeze(0) - tables.shift[:, tables.req]             # [H, T]
+    heads = torch.arange(tables.pages.shape[0], device=vpos.device).unsqueeze(1)
+    page = tables.pages[heads, tables.req.unsqueeze(0), vpos // page_size].to(torch.int64)
     return (page * page_size + vpos % page_size).T.contiguous()
 
 

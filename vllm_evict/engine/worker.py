@@ -53,7 +53,7 @@ class StepPlan:
     page_size: int
     max_blocks: int                          # widest block-table row this step needs
     row_blocks: list[int]                    # blocks in each row's block-table row
-    compacted: object | None = None          # per_head.CompactedBatch, built by the first layer
+    tables: object | None = None             # per_head.StepTables, built by the first layer
 
     @property
     def per_head(self) -> bool:
