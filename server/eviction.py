@@ -76,21 +76,15 @@ def resolve(request_eviction: Any, defaults: dict[str, Any]) -> Any:
         return None
     if "policy" not in merged:
         raise EvictionFieldError("eviction.policy is required (no server default policy is configured)")
-    evict_at = merged.pop("evict_at", None)
-    if evict_at is not None and (isinstance(evict_at, bool) or not isinstance(evict_at, int) or evict_at < 1):
-        raise EvictionFieldError(f"invalid eviction: evict_at must be a positive integer, got {evict_at!r}")
-    try:
-        cfg = _eviction_config_cls().from_dict(merged)
-        cfg = cfg if evict_at is None or cfg is None else WithEvictAt(cfg, evict_at)
-        if cfg is not None:  # engine-level constraints (the engine validates the same way)
-            from vllm_evict.engine.request_config import parse_request
+    from vllm_evict.engine.request_config import EXTRA_ARGS_KEY as KEY, parse_request
 
-            parse_request({EXTRA_ARGS_KEY: cfg.to_dict()})
-        return cfg
-    except EvictionFieldError:
-        raise
+    try:  # the engine's own parser: policy fields, evict_at and engine-level limits, validated once
+        spec = parse_request({KEY: merged})
     except (ValueError, TypeError) as exc:
         raise EvictionFieldError(f"invalid eviction: {exc}") from exc
+    if spec is None:
+        return None
+    return spec.config if spec.evict_at is None else WithEvictAt(spec.config, spec.evict_at)
 
 
 class WithEvictAt:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_evict.engine.request_config import EXTRA_ARGS_KEY  # noqa: E402
+from vllm_evict.engine.request_config import EXTRA_ARGS_KEY
 
 
 def engine_kwargs(**user_kwargs: Any) -> dict[str, Any]:

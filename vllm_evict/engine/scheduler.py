@@ -20,7 +20,7 @@ Preemption frees everything; the recompute evicts again at the same point.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.logger import init_logger
@@ -47,7 +47,6 @@ class SchedulerEviction:
     blocks_before: int = 0
     prompt_tokens: int = 0
     latency_ms: float | None = None  # scoring + compaction, reported by the worker
-    report: dict[str, Any] = field(default_factory=dict)
 
 
 class EvictionKVCacheManager(KVCacheManager):
