@@ -125,9 +125,6 @@ class WorkerEvictionState:
         cached = scheduler_output.scheduled_cached_reqs
         for req_id in getattr(cached, "resumed_req_ids", ()) or ():
             self._forget(req_id)   # preempted: blocks are new, the recompute evicts again
-        for req_id in list(scheduler_output.num_scheduled_tokens):
-            if req_id in self.requests and req_id not in runner.requests:
-                self._forget(req_id)  # a new request reusing the id of an aborted one
         for req_id, state in self.pending_strip.items():
             req = runner.requests.get(req_id)
             if req is None:
