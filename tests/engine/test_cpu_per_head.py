@@ -84,12 +84,12 @@ def test_compact_then_decode_matches_explicit(allocation):
                     row_blocks=[3])
     qsl = torch.tensor([0, m], dtype=torch.int32)  # m-token chunk (causal) after compaction
     tables = per_head.virtual_tables(plan, 0, block_row, seq_lens, qsl, m, H)
-    slots_new = per_head.token_slots(tables, N)
+    slots_new = tables.slots
     cache.write_pages(new_k.reshape(m * H, D), new_v.reshape(m * H, D), slots_new.reshape(-1))
 
     q = torch.randn(m, H * G, D)
     qv = q.view(m, H, G, D).permute(1, 0, 2, 3).contiguous().view(H * m, G, D)
-    vqsl = per_head.query_start_loc(qsl, H, m)
+    vqsl = plan.tables.query_start_loc
     vlens = tables.seq_lens.reshape(-1).to(torch.int32)
     md = ops.cpu_attn_get_scheduler_metadata(num_reqs=H, num_heads=G, num_kv_heads=1, head_dim=D, seq_lens=vlens,
                                              dtype=torch.float32, query_start_loc=vqsl, causal=True,

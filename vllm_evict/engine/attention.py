@@ -73,10 +73,9 @@ class EvictionAttentionMixin:
         seq_lens = md.seq_lens[:num_reqs]
         tables = per_head.virtual_tables(plan, layer_idx, md.block_table[:num_reqs], seq_lens, qsl, n, H)
         if self.kv_sharing_target_layer_name is None:
-            slots = per_head.token_slots(tables, plan.page_size)
-            cache.write_pages(key[:n].reshape(n * H, D), value[:n].reshape(n * H, D), slots.reshape(-1))
+            cache.write_pages(key[:n].reshape(n * H, D), value[:n].reshape(n * H, D), tables.slots.reshape(-1))
         q = query[:n].view(n, H, g, D).transpose(0, 1).reshape(H * n, g, D)
-        vqsl = per_head.query_start_loc(qsl, H, n)
+        vqsl = plan.tables.query_start_loc
         out = torch.empty_like(q)
         self._per_head_attention(q, cache, vqsl, tables.seq_lens.reshape(-1).to(torch.int32),
                                  tables.pages.reshape(H * num_reqs, -1), md.max_query_len, md.max_seq_len, out)

@@ -5,9 +5,10 @@ blocks' slot h (block * H + h, i.e. the standard layout); for a compacted one it
 layer followed by slot h of its tail blocks. Sequences are ordered head-major (h, r) so the query
 reorder is one transpose: [T, H, g, D] -> [H, T, g, D].
 
-Everything layer-independent (identity tables, token rows and positions, the compacted rows' pages of
-all layers) is built once per step (StepTables); each layer then only overwrites its compacted rows
-with a few batched tensor ops: no Python loop over rows or heads per layer.
+Everything is built once per step for all layers (StepTables): the identity tables, token rows and
+positions, and the compacted rows' pages, shifts and token slots of every layer as [L, ...] tensors.
+A layer then costs three indexed copies (pages, shift, slots): no Python loop over rows, heads or
+layers, and no per-layer table arithmetic.
 """
 
 from __future__ import annotations
@@ -23,28 +24,28 @@ class VirtualTables:
     pages: torch.Tensor      # [H, R, W] int32 page ids
     shift: torch.Tensor      # [H, R] int64: semantic position - virtual position
     seq_lens: torch.Tensor   # [H, R] int64 virtual lengths
-    req: torch.Tensor        # [T] batch row of every scheduled token
-    positions: torch.Tensor  # [T] semantic position of every scheduled token
+    slots: torch.Tensor      # [T, H] int64 cache slot of every scheduled token's key/value
 
 
 @dataclass
 class CompactedBatch:
-    """The compacted rows of one step, all layers: built once per step, read by every layer."""
+    """The compacted rows of one step, all layers."""
 
     rows: torch.Tensor    # [Rc] batch rows
-    pages: torch.Tensor   # [Rc, L, H, Pm] int32 kept pages (padded)
-    counts: torch.Tensor  # [Rc, L, H] int64 pages per head
-    shift: torch.Tensor   # [Rc, L, H] int64 E - kept tokens
-    tail: torch.Tensor    # [Rc, Tm] int32 tail blocks (padded with 0)
+    pages: torch.Tensor   # [L, H, Rc, Wc] int32: kept pages, then slot h of the tail blocks
+    shift: torch.Tensor   # [L, H, Rc] int64 E - kept tokens
+    tokens: torch.Tensor  # [Tc] scheduled tokens of compacted rows
+    slots: torch.Tensor   # [L, Tc, H] int64 their cache slots
 
 
 @dataclass
 class StepTables:
-    """Everything of the per-head tables that does not depend on the layer: built by the first layer."""
+    """Everything the per-head path reads, all layers: built by the first layer of the step."""
 
     identity: torch.Tensor        # [H, R, W] int32 standard-layout pages (slot h of each block)
-    req: torch.Tensor             # [T]
-    positions: torch.Tensor       # [T]
+    seq_lens: torch.Tensor        # [1, R] int64
+    slots: torch.Tensor           # [T, H] int64 standard-layout slots
+    query_start_loc: torch.Tensor  # [H*R + 1] int32 of the head-major virtual sequences
     compacted: CompactedBatch | None
 
 
@@ -65,13 +66,25 @@ def stacked_layers(state, device) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return state.stacked
 
 
-def compacted_batch(plan, block_table: torch.Tensor) -> CompactedBatch:
+def token_slots(pages: torch.Tensor, shift: torch.Tensor, req: torch.Tensor, positions: torch.Tensor,
+                page_size: int) -> torch.Tensor:
+    """Cache slots [..., T, H] of tokens (batch row `req`, semantic `positions`) under per-head tables
+    pages [..., H, R, W] and shift [..., H, R]."""
+    vpos = positions - shift[..., req]                                   # [..., H, T]
+    width = pages.shape[-1]  # gather from the flattened rows: no [..., H, T, W] copy for long chunks
+    # Clamped: the identity pass also visits compacted rows' tokens, whose slots are replaced per layer.
+    page = torch.gather(pages.flatten(-2), -1, req * width + (vpos // page_size).clamp(0, width - 1))
+    return (page.to(torch.int64) * page_size + vpos % page_size).transpose(-1, -2)
+
+
+def compacted_batch(plan, block_table: torch.Tensor, req: torch.Tensor, positions: torch.Tensor,
+                    num_heads: int) -> CompactedBatch:
     device = block_table.device
     parts = [stacked_layers(plan.states[r], device) for r in plan.compacted_rows]
-    width = max(p[0].shape[-1] for p in parts)
-    pages = torch.stack([F.pad(p[0], (0, width - p[0].shape[-1])) for p in parts])
-    counts = torch.stack([p[1] for p in parts])
-    shift = torch.stack([p[2] for p in parts])
+    kept_width = max(p[0].shape[-1] for p in parts)
+    kept = torch.stack([F.pad(p[0], (0, kept_width - p[0].shape[-1])) for p in parts], dim=2)  # [L, H, Rc, Pm]
+    counts = torch.stack([p[1] for p in parts], dim=2).unsqueeze(-1)                              # [L, H, Rc, 1]
+    shift = torch.stack([p[2] for p in parts], dim=2)                                             # [L, H, Rc]
     rows = torch.tensor(plan.compacted_rows, device=device)
     first = torch.tensor([plan.states[r].pages for r in plan.compacted_rows], device=device)
     end = torch.tensor([plan.row_blocks[r] for r in plan.compacted_rows], device=device)
@@ -79,60 +92,61 @@ def compacted_batch(plan, block_table: torch.Tensor) -> CompactedBatch:
     col = first.unsqueeze(1) + torch.arange(tail_len, device=device).unsqueeze(0)       # [Rc, Tm]
     tail = block_table[rows.unsqueeze(1), col.clamp(max=block_table.shape[1] - 1)].to(torch.int32)
     tail = torch.where(col < end.unsqueeze(1), tail, torch.zeros_like(tail))
-    return CompactedBatch(rows=rows, pages=pages, counts=counts, shift=shift, tail=tail)
-
-
-def step_tables(plan, block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                num_tokens: int, num_heads: int) -> StepTables:
-    if plan.tables is not None:
-        return plan.tables
-    device = block_table.device
-    width = min(block_table.shape[1], plan.max_blocks)
-    block_table = block_table[:, :width].to(torch.int32)
-    compacted = compacted_batch(plan, block_table) if plan.compacted_rows else None
-    extra = compacted.pages.shape[-1] if compacted is not None else 0
-    heads = torch.arange(num_heads, dtype=torch.int32, device=device).view(-1, 1, 1)
-    identity = F.pad(block_table.unsqueeze(0) * num_heads + heads, (0, extra))
-    qsl = query_start_loc.to(torch.int64)
-    req = torch.repeat_interleave(torch.arange(seq_lens.numel(), device=device), qsl[1:] - qsl[:-1],
-                                  output_size=num_tokens)
-    positions = seq_lens.to(torch.int64)[req] - (qsl[req + 1] - torch.arange(num_tokens, device=device))
-    plan.tables = StepTables(identity=identity, req=req, positions=positions, compacted=compacted)
-    return plan.tables
-
-
-def virtual_tables(plan, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                   query_start_loc: torch.Tensor, num_tokens: int, num_heads: int) -> VirtualTables:
-    step = step_tables(plan, block_table, seq_lens, query_start_loc, num_tokens, num_heads)
-    pages = step.identity
-    shift = torch.zeros(pages.shape[:2], dtype=torch.int64, device=pages.device)
-    batch = step.compacted
-    if batch is not None:
-        pages = pages.clone()
-        full = pages.shape[-1]
-        num_rows, tail_len = batch.tail.shape
-        col = torch.arange(full, device=pages.device)
-        heads = torch.arange(num_heads, dtype=torch.int32, device=pages.device).view(1, -1, 1)
-        counts = batch.counts[:, layer].unsqueeze(-1)                                  # [Rc, H, 1]
-        kept_pages = F.pad(batch.pages[:, layer], (0, full - batch.pages.shape[-1]))     # [Rc, H, W]
-        tail_col = (col - counts).clamp(0, tail_len - 1)                                  # [Rc, H, W]
-        tail_pages = torch.gather(batch.tail.unsqueeze(1).expand(num_rows, num_heads, tail_len), 2, tail_col)
-        rows_pages = torch.where(col < counts, kept_pages, tail_pages * num_heads + heads)
-        pages[:, batch.rows] = rows_pages.transpose(0, 1)
-        shift[:, batch.rows] = batch.shift[:, layer].T
-    return VirtualTables(pages=pages, shift=shift, seq_lens=seq_lens.to(torch.int64).unsqueeze(0) - shift,
-                         req=step.req, positions=step.positions)
-
-
-def token_slots(tables: VirtualTables, page_size: int) -> torch.Tensor:
-    """Per-head cache slot [T, H] of every scheduled token (page * page_size + offset)."""
-    vpos = tables.positions.unsqueeze(0) - tables.shift[:, tables.req]             # [H, T]
-    heads = torch.arange(tables.pages.shape[0], device=vpos.device).unsqueeze(1)
-    page = tables.pages[heads, tables.req.unsqueeze(0), vpos // page_size].to(torch.int64)
-    return (page * page_size + vpos % page_size).T.contiguous()
+    # Row (layer, head, r): kept pages, then slot h of each tail block: [L, H, Rc, Pm + Tm]
+    width = kept_width + tail_len
+    col = torch.arange(width, device=device)
+    heads = torch.arange(num_heads, dtype=torch.int32, device=device).view(1, -1, 1, 1)
+    tail_col = (col - counts).clamp(0, tail_len - 1)
+    tail_pages = torch.gather(tail.view(1, 1, *tail.shape).expand(*tail_col.shape[:3], tail_len), 3, tail_col)
+    pages = torch.where(col < counts, F.pad(kept, (0, tail_len)), tail_pages * num_heads + heads)
+    # Scheduled tokens of the compacted rows and their slots in every layer.
+    row_of = torch.full((block_table.shape[0],), -1, dtype=torch.int64, device=device)
+    row_of[rows] = torch.arange(rows.numel(), device=device)
+    tokens = torch.nonzero(row_of[req] >= 0).squeeze(1)
+    slots = token_slots(pages, shift, row_of[req[tokens]], positions[tokens], plan.page_size)
+    return CompactedBatch(rows=rows, pages=pages, shift=shift, tokens=tokens, slots=slots)
 
 
 def query_start_loc(qsl: torch.Tensor, num_heads: int, num_tokens: int) -> torch.Tensor:
     starts = (torch.arange(num_heads, dtype=qsl.dtype, device=qsl.device).unsqueeze(1) * num_tokens
               + qsl[:-1].unsqueeze(0))
     return torch.cat([starts.reshape(-1), qsl.new_tensor([num_heads * num_tokens])])
+
+
+def step_tables(plan, block_table: torch.Tensor, seq_lens: torch.Tensor, qsl: torch.Tensor,
+                num_tokens: int, num_heads: int) -> StepTables:
+    if plan.tables is not None:
+        return plan.tables
+    device = block_table.device
+    width = min(block_table.shape[1], plan.max_blocks)
+    block_table = block_table[:, :width].to(torch.int32)
+    heads = torch.arange(num_heads, dtype=torch.int32, device=device).view(-1, 1, 1)
+    qsl64 = qsl.to(torch.int64)
+    req = torch.repeat_interleave(torch.arange(seq_lens.numel(), device=device), qsl64[1:] - qsl64[:-1],
+                                  output_size=num_tokens)
+    positions = seq_lens.to(torch.int64)[req] - (qsl64[req + 1] - torch.arange(num_tokens, device=device))
+    compacted = compacted_batch(plan, block_table, req, positions, num_heads) if plan.compacted_rows else None
+    extra = compacted.pages.shape[-1] if compacted is not None else 0
+    identity = F.pad(block_table.unsqueeze(0) * num_heads + heads, (0, extra))
+    zero_shift = torch.zeros(identity.shape[:2], dtype=torch.int64, device=device)
+    plan.tables = StepTables(
+        identity=identity, seq_lens=seq_lens.to(torch.int64).unsqueeze(0),
+        slots=token_slots(identity, zero_shift, req, positions, plan.page_size),
+        query_start_loc=query_start_loc(qsl, num_heads, num_tokens), compacted=compacted)
+    return plan.tables
+
+
+def virtual_tables(plan, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                   query_start_loc: torch.Tensor, num_tokens: int, num_heads: int) -> VirtualTables:
+    step = step_tables(plan, block_table, seq_lens, query_start_loc, num_tokens, num_heads)
+    batch = step.compacted
+    if batch is None:
+        shift = torch.zeros(step.identity.shape[:2], dtype=torch.int64, device=step.identity.device)
+        return VirtualTables(pages=step.identity, shift=shift, seq_lens=step.seq_lens.expand_as(shift),
+                             slots=step.slots)
+    pages = step.identity.clone()
+    pages[:, batch.rows, : batch.pages.shape[-1]] = batch.pages[layer]
+    shift = torch.zeros(pages.shape[:2], dtype=torch.int64, device=pages.device)
+    shift[:, batch.rows] = batch.shift[layer]
+    slots = step.slots.index_copy(0, batch.tokens, batch.slots[layer])
+    return VirtualTables(pages=pages, shift=shift, seq_lens=step.seq_lens - shift, slots=slots)

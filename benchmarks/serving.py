@@ -1,0 +1,388 @@
+"""Serving benchmarks: vllm-evict against vanilla vLLM 0.26.0 on one GPU (issue 7). Not a unit test.
+
+Every engine runs in its own subprocess (a clean GPU for each); `run` starts them one after another
+inside one device call, so the vanilla baseline always comes from the same run. The engine is stepped
+in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): step times are what the engine loop takes, scheduling
+and output processing included.
+
+Suites (`--suite`):
+  latency   TTFT (max_tokens=1) at batch 1 and 8 for 8K/32K/64K prompts, with the engine's own
+            scoring + compaction time; then decode step latency at equal batch and equal KV length
+            (vanilla prompt K; vllm-evict prompt K/budget evicted to K per head, and prompt K not evicted).
+  load      N requests of L in / O out, all submitted at t=0, ignore_eos: end-to-end output tokens/s,
+            decode-phase tokens/s (steps in which no request prefilled), concurrency, and capacity
+            (most requests running before the first preemption).
+  capacity  capacity alone (max_tokens large, stop once admission stalls or a request is preempted).
+
+Engines (`--engine`): `vanilla` (stock vLLM, VLLM_PLUGINS=none, FLASH_ATTN, vLLM's default CUDA graph
+mode) or `evict` (vllm-evict's engine kwargs: FLASH_ATTN, PIECEWISE graphs, eviction scheduler).
+
+Shared-prefix prompts (`--shared-prefix`, load/capacity on the evict engine only): every prompt is one
+common prefix plus a distinct 64-token tail. With prefix caching the prefix is prefilled once; each
+request still scores its own window and compacts its own copy, so from compaction on it holds exactly
+the blocks a distinct prompt would. This makes 32K capacity runs cost one prefill instead of hundreds.
+It is never used for vanilla, where shared blocks would inflate capacity.
+
+  python benchmarks/serving.py run --plan latency --out-dir $OUT   # vanilla then evict, one call
+  python benchmarks/serving.py one --engine evict --suite load --prompt-len 8192 ... --out x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TAIL = 64  # distinct tokens at the end of a shared-prefix prompt
+
+
+# ----------------------------------------------------------------------------------------------- engine
+def make_engine(args):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
+    from vllm import LLM
+
+    from vllm_evict.testing.tiny_models import ensure_tiny_model, write_real_config
+
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        model = write_real_config("llama-3.1-8b", Path(args.workdir))
+        kwargs = dict(model=str(model), load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.9,
+                      attention_backend="FLASH_ATTN")
+    else:  # CPU smoke run of the script itself (tests/bench): tiny random Llama, fp32
+        model = ensure_tiny_model("llama")
+        kwargs = dict(model=str(model), dtype="float32", kv_cache_memory_bytes=1 << 28)
+    kwargs.update(block_size=16, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True, seed=0)
+    if args.engine == "evict":
+        from vllm_evict.engine import engine_kwargs
+
+        kwargs = engine_kwargs(**kwargs)
+    t0 = time.time()
+    llm = LLM(**kwargs)
+    return llm.llm_engine, round(time.time() - t0, 1)
+
+
+class Driver:
+    """Adds requests to an in-process LLMEngine and steps it, timing every step."""
+
+    def __init__(self, engine, seed: int):
+        import torch
+
+        self.engine = engine
+        self.scheduler = engine.engine_core.engine_core.scheduler
+        self.gen = torch.Generator().manual_seed(seed)
+        self.counter = 0
+        self.vocab = 1000
+
+    def prompt(self, n: int, prefix: list[int] | None = None) -> list[int]:
+        import torch
+
+        if prefix is not None:
+            return prefix + torch.randint(3, self.vocab, (n - len(prefix),), generator=self.gen).tolist()
+        return torch.randint(3, self.vocab, (n,), generator=self.gen).tolist()
+
+    def add(self, prompt: list[int], max_tokens: int, eviction: dict | None) -> str:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        rid = f"q{self.counter}"
+        self.counter += 1
+        extra = {"vllm_evict": eviction} if eviction else None
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0,
+                            output_kind=RequestOutputKind.DELTA, extra_args=extra)
+        self.engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
+        return rid
+
+    def prefilling(self) -> int:
+        return sum(1 for r in self.scheduler.running if r.num_computed_tokens < r.num_prompt_tokens)
+
+    def step(self):
+        """One engine step: (outputs, seconds, new tokens, decode_only). decode_only: no request was
+        prefilling before or after the step and none was admitted (queued requests may be waiting)."""
+        running = len(self.scheduler.running)
+        decode_only = self.prefilling() == 0
+        t0 = time.perf_counter()
+        outs = self.engine.step()
+        dt = time.perf_counter() - t0
+        new = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs)
+        decode_only = decode_only and self.prefilling() == 0 and len(self.scheduler.running) <= running
+        return outs, dt, new, decode_only
+
+    def drain(self, ids: list[str]) -> None:
+        self.engine.abort_request(ids)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+
+def eviction_of(args, budget: float | None = None) -> dict | None:
+    if args.engine != "evict" or args.policy == "none":
+        return None
+    return {"policy": args.policy, "budget": budget if budget is not None else args.budget,
+            "allocation": args.allocation}
+
+
+def report_of(out) -> dict | None:
+    from vllm_evict.engine import eviction_report
+
+    return eviction_report(out)
+
+
+# ---------------------------------------------------------------------------------------------- suites
+def suite_latency(args, drv: Driver, deadline: float) -> dict:
+    result: dict = {"ttft": [], "decode": []}
+    drv.add(drv.prompt(4096), 1, eviction_of(args))  # warm-up: Triton scoring kernels, allocator
+    while drv.engine.has_unfinished_requests():
+        drv.step()
+    for length, batch in args.ttft_cases:
+        for rep in range(args.repeats):
+            if time.time() > deadline:
+                result["incomplete"] = True
+                return result
+            t0 = time.perf_counter()
+            ids = {drv.add(drv.prompt(length), 1, eviction_of(args)): None for _ in range(batch)}
+            ttft, latency = {}, {}
+            while len(ttft) < len(ids):
+                outs, _, _, _ = drv.step()
+                for o in outs:
+                    if o.finished and o.request_id in ids:
+                        ttft[o.request_id] = time.perf_counter() - t0
+                        rep_ = report_of(o)
+                        if rep_ is not None:
+                            latency[o.request_id] = rep_.get("latency_ms")
+            row = {"prompt_len": length, "batch": batch, "repeat": rep,
+                   "ttft_ms_mean": round(1e3 * statistics.mean(ttft.values()), 2),
+                   "ttft_ms_max": round(1e3 * max(ttft.values()), 2)}
+            if latency:
+                row["evict_ms_mean"] = round(statistics.mean(v for v in latency.values() if v is not None), 2)
+            result["ttft"].append(row)
+            print(json.dumps(row), flush=True)
+    for batch in args.decode_batches:
+        for label, prompt_len, eviction in decode_variants(args):
+            if time.time() > deadline:
+                result["incomplete"] = True
+                return result
+            ids = [drv.add(drv.prompt(prompt_len), args.decode_steps + 8, eviction) for _ in range(batch)]
+            times = []
+            while drv.engine.has_unfinished_requests():
+                _, dt, new, decode_only = drv.step()
+                if decode_only and new == batch and len(drv.scheduler.running) == batch:
+                    times.append(dt)
+            times = times[2:]  # the first decode steps after a prefill still settle
+            row = {"variant": label, "batch": batch, "prompt_len": prompt_len, "kv_len": args.kv_len,
+                   "steps": len(times), "step_ms_median": round(1e3 * statistics.median(times), 3) if times else None,
+                   "step_ms_p90": round(1e3 * sorted(times)[int(0.9 * (len(times) - 1))], 3) if times else None}
+            result["decode"].append(row)
+            print(json.dumps(row), flush=True)
+            del ids
+    return result
+
+
+def decode_variants(args):
+    """(label, prompt length, eviction) with KV length args.kv_len per head after prefill."""
+    if args.engine == "vanilla":
+        return [("vanilla", args.kv_len, None)]
+    evicted_prompt = int(round(args.kv_len / args.decode_budget))
+    return [("evict engine, no eviction", args.kv_len, None),
+            (f"evict engine, {args.policy} {args.decode_budget} ({evicted_prompt} -> {args.kv_len})", evicted_prompt,
+             {"policy": args.policy, "budget": args.decode_budget, "allocation": "uniform"})]
+
+
+def run_load(args, drv: Driver, deadline: float, num_requests: int, max_tokens: int, eviction: dict | None,
+             stop_at_capacity: bool) -> dict:
+    prefix = drv.prompt(args.prompt_len - TAIL) if args.shared_prefix else None
+    t0 = time.perf_counter()
+    ids = [drv.add(drv.prompt(args.prompt_len, prefix), max_tokens, eviction) for _ in range(num_requests)]
+    steps = tokens = decode_tokens = 0
+    decode_s = 0.0
+    decode_batch = []
+    max_running = 0
+    capacity = None
+    preempted = False
+    last_admission = 0
+    stop_reason = "all requests finished"
+    latency = []
+    while drv.engine.has_unfinished_requests():
+        if time.time() > deadline:
+            stop_reason = "deadline"
+            break
+        before = len(drv.scheduler.running)
+        outs, dt, new, decode_only = drv.step()
+        steps += 1
+        tokens += new
+        for o in outs:
+            if o.finished and (r := report_of(o)) is not None and r.get("latency_ms") is not None:
+                latency.append(r["latency_ms"])
+        if decode_only and new:
+            decode_tokens += new
+            decode_s += dt
+            decode_batch.append(new)
+        running = len(drv.scheduler.running)
+        if running > before:
+            last_admission = steps
+        if not preempted:
+            preempted = any(r.num_preemptions for r in list(drv.scheduler.running) + list(drv.scheduler.waiting))
+            if preempted:
+                capacity = max_running
+            else:
+                max_running = max(max_running, running)
+        if stop_at_capacity:
+            if preempted:
+                stop_reason = "first preemption"
+                break
+            if drv.scheduler.waiting and steps - last_admission > args.stall_steps:
+                stop_reason = f"no admission for {args.stall_steps} steps with requests waiting"
+                break
+    wall = time.perf_counter() - t0
+    if drv.engine.has_unfinished_requests():
+        drv.drain(ids)
+    out = {"num_requests": num_requests, "prompt_len": args.prompt_len, "max_tokens": max_tokens,
+           "eviction": eviction, "shared_prefix": bool(prefix), "stop_reason": stop_reason, "steps": steps,
+           "wall_s": round(wall, 2), "capacity": capacity if capacity is not None else max_running,
+           "capacity_bound": "first preemption" if capacity is not None else stop_reason}
+    if not stop_at_capacity:
+        out.update(output_tokens=tokens, output_tok_s=round(tokens / wall, 1),
+                   decode_steps=len(decode_batch), decode_tokens=decode_tokens,
+                   decode_tok_s=round(decode_tokens / decode_s, 1) if decode_s else None,
+                   decode_mean_batch=round(statistics.mean(decode_batch), 1) if decode_batch else None,
+                   decode_step_ms_mean=round(1e3 * decode_s / len(decode_batch), 2) if decode_batch else None)
+    if latency:
+        out["evict_ms_mean"] = round(statistics.mean(latency), 2)
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def suite_load(args, drv: Driver, deadline: float) -> dict:
+    return run_load(args, drv, deadline, args.num_requests, args.max_tokens, eviction_of(args), False)
+
+
+def suite_capacity(args, drv: Driver, deadline: float) -> dict:
+    runs = []
+    for budget, allocation in args.capacity_configs:
+        if time.time() > deadline:
+            break
+        eviction = None if args.engine == "vanilla" else {"policy": args.policy, "budget": budget,
+                                                          "allocation": allocation}
+        num = args.num_requests if eviction is None else int(1.6 / budget * 13) + 16
+        runs.append(run_load(args, drv, deadline, num, args.max_tokens, eviction, True))
+    return {"runs": runs}
+
+
+SUITES = {"latency": suite_latency, "load": suite_load, "capacity": suite_capacity}
+
+
+def run_one(args) -> dict:
+    if args.engine == "vanilla":
+        os.environ["VLLM_PLUGINS"] = "none"  # load no general plugins at all: stock vLLM
+    deadline = time.time() + args.time_limit
+    engine, start_s = make_engine(args)
+    import torch
+
+    sched = engine.engine_core.engine_core.scheduler
+    blocks = sched.kv_cache_manager.block_pool.num_gpu_blocks
+    drv = Driver(engine, args.seed)
+    result = SUITES[args.suite](args, drv, deadline)
+    result.update(engine=args.engine, suite=args.suite, policy=None if args.engine == "vanilla" else args.policy,
+                  engine_start_s=start_s, kv_tokens_total=blocks * 16,
+                  cudagraph_mode=str(engine.vllm_config.compilation_config.cudagraph_mode),
+                  device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), argv=sys.argv[1:])
+    return result
+
+
+# ------------------------------------------------------------------------------------------ orchestration
+# Each plan: the engines of one device call, vanilla first; (engine, suite, extra arguments, seconds).
+PLANS = {
+    "latency": [("vanilla", "latency", [], 240), ("evict", "latency", [], 300)],
+    "load8k": [("vanilla", "load", ["--prompt-len", "8192", "--max-tokens", "1024", "--num-requests", "256"], 260),
+               ("evict", "load", ["--prompt-len", "8192", "--max-tokens", "1024", "--num-requests", "256"], 260)],
+    "load32k": [("vanilla", "load", ["--prompt-len", "32768", "--max-tokens", "512", "--num-requests", "26"], 200),
+                ("evict", "load", ["--prompt-len", "32768", "--max-tokens", "512", "--num-requests", "192",
+                                   "--shared-prefix"], 160),
+                ("evict", "capacity", ["--prompt-len", "32768", "--max-tokens", "4096", "--shared-prefix",
+                                       "--capacity-configs", "0.2:uniform", "0.1:adakv", "0.2:adakv"], 170)],
+}
+
+
+def run_plan(args) -> int:
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    combined = []
+    for i, (engine, suite, extra, seconds) in enumerate(PLANS[args.plan]):
+        out = out_dir / f"{args.plan}_{i}_{engine}_{suite}.json"
+        cmd = [sys.executable, __file__, "one", "--engine", engine, "--suite", suite, "--out", str(out),
+               "--time-limit", str(seconds - 60), *extra, *args.extra]
+        print("$", " ".join(cmd), flush=True)
+        t0 = time.time()
+        try:
+            rc = subprocess.run(cmd, timeout=seconds + 60).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        print(f"-> rc {rc} in {time.time() - t0:.0f} s", flush=True)
+        combined.append(json.loads(out.read_text()) if out.exists() else {"engine": engine, "suite": suite,
+                                                                             "failed": rc})
+    (out_dir / f"{args.plan}.json").write_text(json.dumps(combined, indent=1))
+    return 0
+
+
+def parse_capacity(values: list[str]) -> list[tuple[float, str]]:
+    return [(float(v.split(":")[0]), v.split(":")[1]) for v in values]
+
+
+def parse_ttft(values: list[str]) -> list[tuple[int, int]]:
+    return [(int(v.split("x")[0]), int(v.split("x")[1])) for v in values]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run a plan: its engines one after another, vanilla first")
+    r.add_argument("--plan", choices=sorted(PLANS), required=True)
+    r.add_argument("--out-dir", required=True)
+    r.add_argument("extra", nargs=argparse.REMAINDER, help="passed to every engine run")
+    o = sub.add_parser("one", help="one engine, one suite")
+    o.add_argument("--engine", choices=["vanilla", "evict"], required=True)
+    o.add_argument("--suite", choices=sorted(SUITES), required=True)
+    o.add_argument("--out", required=True)
+    o.add_argument("--workdir", default="/tmp/vllm-evict-bench")
+    o.add_argument("--policy", default="dropkv")
+    o.add_argument("--budget", type=float, default=0.1)
+    o.add_argument("--allocation", default="uniform")
+    o.add_argument("--prompt-len", type=int, default=32768)
+    o.add_argument("--max-tokens", type=int, default=512)
+    o.add_argument("--num-requests", type=int, default=64)
+    o.add_argument("--shared-prefix", action="store_true")
+    o.add_argument("--stall-steps", type=int, default=20)
+    o.add_argument("--capacity-configs", nargs="+", type=str, default=["0.1:uniform"])
+    o.add_argument("--ttft-cases", nargs="+", default=["8192x1", "32768x1", "65536x1", "8192x8", "32768x8"],
+                   help="LENxBATCH")
+    o.add_argument("--repeats", type=int, default=2)
+    o.add_argument("--decode-batches", nargs="+", type=int, default=[8, 64])
+    o.add_argument("--kv-len", type=int, default=2048)
+    o.add_argument("--decode-budget", type=float, default=0.25)
+    o.add_argument("--decode-steps", type=int, default=64)
+    o.add_argument("--max-model-len", type=int, default=66048)
+    o.add_argument("--max-num-seqs", type=int, default=512)
+    o.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    o.add_argument("--time-limit", type=float, default=540)
+    o.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.cmd == "run":
+        return run_plan(args)
+    args.capacity_configs = parse_capacity(args.capacity_configs)
+    args.ttft_cases = parse_ttft(args.ttft_cases)
+    if args.shared_prefix and args.engine == "vanilla":
+        ap.error("--shared-prefix is for the evict engine only (shared blocks would inflate vanilla capacity)")
+    result = run_one(args)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
