@@ -4,7 +4,8 @@
 #
 # The device machine has no package registry and no model hub, and one call carries at most 64 MiB of
 # working tree, so the 98 MB GGUF travels in two parts (< 64 MiB each) together with a `gguf` wheel, is
-# joined and checksummed there, and converted there (transformers + accelerate are in the GPU image).
+# joined and checksummed there, and converted there (transformers is in the GPU image; the gguf and
+# accelerate wheels travel with the first part).
 # vLLM itself travels as the split bundle of ../shared/gpu/build_vllm_bundle.sh.
 #
 # Here (repo root, needs PyPI; once):
@@ -51,7 +52,9 @@ p = locate_gguf(); check_gguf(p); print(p)")
   half=$(( ($(stat -c %s "$src") + 1) / 2 ))
   head -c "$half" "$src" > .quality-gpu/part1/gguf.part1
   tail -c +"$((half + 1))" "$src" > .quality-gpu/part2/gguf.part2
-  "$PY" -m pip download -q --no-deps --only-binary=:all: -d .quality-gpu/part1 "$WHEEL_REQ"
+  # accelerate: transformers' GGUF loader needs it and the GPU image may lack it (pure Python, no deps taken)
+  "$PY" -m pip download -q --no-deps --only-binary=:all: -d .quality-gpu/part1 "$WHEEL_REQ" \
+    "accelerate==$("$PY" -c 'import accelerate; print(accelerate.__version__)')"
   du -sh .quality-gpu/part*
   ;;
 stage)    # device: keep this part in $STAGE; join once both are there
@@ -70,7 +73,7 @@ run)      # device: convert (once per machine), then evaluate for at most STOP_A
   [ -f "$STAGE/$GGUF_NAME" ] || { echo "GGUF missing: stage .quality-gpu/part1 and part2 first"; exit 2; }
   export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} VLLM_USE_V2_MODEL_RUNNER=0 VLLM_USE_FLASHINFER_SAMPLER=0
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$STAGE/site" \
-    "$STAGE"/gguf-*.whl
+    "$STAGE"/gguf-*.whl "$STAGE"/accelerate-*.whl
   # vllm-evict from this checkout, plus a dist-info so that vLLM finds its `vllm.general_plugins` entry point
   mkdir -p "$STAGE/site/vllm_evict-0.1.0.dist-info"
   printf 'Metadata-Version: 2.1\nName: vllm-evict\nVersion: 0.1.0\n' > "$STAGE/site/vllm_evict-0.1.0.dist-info/METADATA"

@@ -137,7 +137,7 @@ def report_of(out) -> dict | None:
 # ---------------------------------------------------------------------------------------------- suites
 def suite_latency(args, drv: Driver, deadline: float) -> dict:
     result: dict = {"ttft": [], "decode": []}
-    drv.add(drv.prompt(4096), 1, eviction_of(args))  # warm-up: Triton scoring kernels, allocator
+    drv.add(drv.prompt(min(4096, args.max_model_len // 2)), 1, eviction_of(args))  # warm-up: Triton kernels
     while drv.engine.has_unfinished_requests():
         drv.step()
     for length, batch in args.ttft_cases:
@@ -300,13 +300,13 @@ def run_one(args) -> dict:
 # Each plan: the engines of one device call, vanilla first; (engine, suite, extra arguments, seconds).
 PLANS = {
     "latency": [("vanilla", "latency", [], 240), ("evict", "latency", [], 300)],
-    "load8k": [("vanilla", "load", ["--prompt-len", "8192", "--max-tokens", "1024", "--num-requests", "256"], 260),
-               ("evict", "load", ["--prompt-len", "8192", "--max-tokens", "1024", "--num-requests", "256"], 260)],
-    "load32k": [("vanilla", "load", ["--prompt-len", "32768", "--max-tokens", "512", "--num-requests", "26"], 200),
+    "load8k": [("vanilla", "load", ["--prompt-len", "8192", "--max-tokens", "1024", "--num-requests", "256"], 290),
+               ("evict", "load", ["--prompt-len", "8192", "--max-tokens", "1024", "--num-requests", "256"], 270)],
+    "load32k": [("vanilla", "load", ["--prompt-len", "32768", "--max-tokens", "512", "--num-requests", "26"], 210),
                 ("evict", "load", ["--prompt-len", "32768", "--max-tokens", "512", "--num-requests", "192",
-                                   "--shared-prefix"], 160),
+                                   "--shared-prefix"], 200),
                 ("evict", "capacity", ["--prompt-len", "32768", "--max-tokens", "4096", "--shared-prefix",
-                                       "--capacity-configs", "0.2:uniform", "0.1:adakv", "0.2:adakv"], 170)],
+                                       "--capacity-configs", "0.2:uniform", "0.1:adakv", "0.2:adakv"], 240)],
 }
 
 
