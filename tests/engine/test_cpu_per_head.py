@@ -85,7 +85,7 @@ def test_compact_then_decode_matches_explicit(allocation):
     qsl = torch.tensor([0, m], dtype=torch.int32)  # m-token chunk (causal) after compaction
     tables = per_head.virtual_tables(plan, 0, block_row, seq_lens, qsl, m, H)
     slots_new = tables.slots
-    cache.write_pages(new_k.reshape(m * H, D), new_v.reshape(m * H, D), slots_new.reshape(-1))
+    cache.write_tokens(new_k, new_v, slots_new)
 
     q = torch.randn(m, H * G, D)
     qv = q.view(m, H, G, D).permute(1, 0, 2, 3).contiguous().view(H * m, G, D)

@@ -63,7 +63,7 @@ def test_compacted_and_plain_rows_match_explicit(allocation):
     tables = per_head.virtual_tables(plan, 0, block_table, seq_lens, qsl, n, H)
     new_k = torch.cat([torch.randn(m0, H, D, device=dev, dtype=dt), plain_k[L1 - m1:]])
     new_v = torch.cat([torch.randn(m0, H, D, device=dev, dtype=dt), plain_v[L1 - m1:]])
-    cache.write_pages(new_k.reshape(n * H, D), new_v.reshape(n * H, D), tables.slots.reshape(-1))
+    cache.write_tokens(new_k, new_v, tables.slots)
 
     q = torch.randn(n, H * G, D, device=dev, dtype=dt)
     qv = q.view(n, H, G, D).transpose(0, 1).reshape(H * n, G, D)

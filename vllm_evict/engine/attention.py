@@ -56,7 +56,7 @@ class EvictionAttentionMixin:
                 buf = cap.state.q_window[layer_idx] = query.new_empty(cap.state.window, *query.shape[1:])
             buf[cap.window_offset: cap.window_offset + cap.count] = \
                 query[cap.token_start: cap.token_start + cap.count]
-        cache = self._paged_cache(layer, kv_cache)
+        cache = self._cached_paged_cache(layer, kv_cache)
         if plan.per_head:
             self._per_head_forward(layer_idx, query, key, value, cache, attn_metadata, output, plan)
         else:
@@ -64,6 +64,13 @@ class EvictionAttentionMixin:
         for row in plan.compacting:
             self._compact(layer_idx, row, query, cache, attn_metadata, plan)
         return output
+
+    def _cached_paged_cache(self, layer, kv_cache):
+        # The cache tensor of a layer is the same object every step: build its views once.
+        held = getattr(self, "_vllm_evict_paged", None)
+        if held is None or held[0] is not kv_cache:
+            held = self._vllm_evict_paged = (kv_cache, self._paged_cache(layer, kv_cache))
+        return held[1]
 
     def _per_head_forward(self, layer_idx, query, key, value, cache, md, output, plan) -> None:
         H, g, D = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size
@@ -73,11 +80,11 @@ class EvictionAttentionMixin:
         seq_lens = md.seq_lens[:num_reqs]
         tables = per_head.virtual_tables(plan, layer_idx, md.block_table[:num_reqs], seq_lens, qsl, n, H)
         if self.kv_sharing_target_layer_name is None:
-            cache.write_pages(key[:n].reshape(n * H, D), value[:n].reshape(n * H, D), tables.slots.reshape(-1))
+            cache.write_tokens(key[:n].view(n, H, D), value[:n].view(n, H, D), tables.slots)
         q = query[:n].view(n, H, g, D).transpose(0, 1).reshape(H * n, g, D)
         vqsl = plan.tables.query_start_loc
         out = torch.empty_like(q)
-        self._per_head_attention(q, cache, vqsl, tables.seq_lens.reshape(-1).to(torch.int32),
+        self._per_head_attention(q, cache, vqsl, tables.seq_lens.reshape(-1),
                                  tables.pages.reshape(H * num_reqs, -1), md.max_query_len, md.max_seq_len, out)
         output[:n].view(n, H, g, D).copy_(out.view(H, n, g, D).transpose(0, 1))
 
@@ -86,14 +93,14 @@ class EvictionAttentionMixin:
         state = plan.states[row]
         blocks = md.block_table[row]
         prompt_blocks = blocks[: state.prompt_blocks]
-        fresh = blocks[state.prompt_blocks: state.prompt_blocks + state.pages].tolist()
+        fresh = state.fresh_blocks  # host ids: no device sync
         keys, values = cache.gather_prefix(prompt_blocks, state.evict_at)
         q_window = state.q_window.get(layer_idx, query.new_empty(0, *query.shape[1:]))
         keep, page_counts = plan_compaction(state.spec.config, q_window, keys, values, self.scale, plan.page_size)
         layout, token_idx, head_idx, slots = compaction_slots(keep, page_counts, fresh, plan.page_size)
         cache.write_pages(keys[token_idx, head_idx], values[token_idx, head_idx], slots)
         state.layers[layer_idx] = layout
-        # Host wall time; the .tolist() syncs above make it cover the GPU work of the previous layer.
+        # Host wall time; scoring's host syncs make it cover the GPU work of this layer's forward.
         STATE.add_latency(state.req_id, (time.perf_counter() - start) * 1e3)
         if DUMP_DIR:  # kept sets for offline comparison with a reference (GPU checks)
             torch.save(keep.cpu(), os.path.join(DUMP_DIR, f"{state.req_id}.L{layer_idx}.pt"))

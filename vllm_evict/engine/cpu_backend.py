@@ -34,6 +34,11 @@ class CpuPagedCache:
         values = self.value[blocks].permute(0, 2, 1, 3).reshape(nb * N, H, D)[:n]
         return keys, values
 
+    def write_tokens(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write keys/values [T, H, D] of scheduled tokens to their per-head slots [T, H]."""
+        D = self.head_dim
+        self.write_pages(keys.reshape(-1, D), values.reshape(-1, D), slots.reshape(-1))
+
     def write_pages(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
         """Write keys/values [M, D] to per-head slots (page * N + offset)."""
         ops.cpu_attn_reshape_and_cache(keys.unsqueeze(1).contiguous(), values.unsqueeze(1).contiguous(),

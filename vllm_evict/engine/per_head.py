@@ -7,8 +7,8 @@ reorder is one transpose: [T, H, g, D] -> [H, T, g, D].
 
 Everything is built once per step for all layers (StepTables): the identity tables, token rows and
 positions, and the compacted rows' pages, shifts and token slots of every layer as [L, ...] tensors.
-A layer then costs three indexed copies (pages, shift, slots): no Python loop over rows, heads or
-layers, and no per-layer table arithmetic.
+A layer then costs two in-place indexed copies (its compacted rows' pages and token slots): no
+Python loop over rows, heads or layers, and no per-layer table arithmetic.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 class VirtualTables:
     pages: torch.Tensor      # [H, R, W] int32 page ids
     shift: torch.Tensor      # [H, R] int64: semantic position - virtual position
-    seq_lens: torch.Tensor   # [H, R] int64 virtual lengths
+    seq_lens: torch.Tensor   # [H, R] int32 virtual lengths
     slots: torch.Tensor      # [T, H] int64 cache slot of every scheduled token's key/value
 
 
@@ -40,11 +40,16 @@ class CompactedBatch:
 
 @dataclass
 class StepTables:
-    """Everything the per-head path reads, all layers: built by the first layer of the step."""
+    """Everything the per-head path reads, all layers: built by the first layer of the step.
 
-    identity: torch.Tensor        # [H, R, W] int32 standard-layout pages (slot h of each block)
-    seq_lens: torch.Tensor        # [1, R] int64
-    slots: torch.Tensor           # [T, H] int64 standard-layout slots
+    `pages` and `slots` are this step's working tables: standard layout everywhere, and each layer
+    overwrites only the compacted rows' part in place (stream order makes layer l's kernels read its
+    tables before layer l+1 overwrites them)."""
+
+    pages: torch.Tensor            # [H, R, W] int32
+    slots: torch.Tensor            # [T, H] int64
+    seq_lens: torch.Tensor         # [L or 1, H*R] int32 virtual lengths per layer
+    shift: torch.Tensor            # [L or 1, H, R] int64
     query_start_loc: torch.Tensor  # [H*R + 1] int32 of the head-major virtual sequences
     compacted: CompactedBatch | None
 
@@ -126,27 +131,30 @@ def step_tables(plan, block_table: torch.Tensor, seq_lens: torch.Tensor, qsl: to
                                   output_size=num_tokens)
     positions = seq_lens.to(torch.int64)[req] - (qsl64[req + 1] - torch.arange(num_tokens, device=device))
     compacted = compacted_batch(plan, block_table, req, positions, num_heads) if plan.compacted_rows else None
-    extra = compacted.pages.shape[-1] if compacted is not None else 0
-    identity = F.pad(block_table.unsqueeze(0) * num_heads + heads, (0, extra))
-    zero_shift = torch.zeros(identity.shape[:2], dtype=torch.int64, device=device)
+    # A compacted row may need more columns than its blocks (a head keeping more than P pages).
+    extra = max(compacted.pages.shape[-1] - width, 0) if compacted is not None else 0
+    pages = F.pad(block_table.unsqueeze(0) * num_heads + heads, (0, extra))
+    shift = torch.zeros(1, *pages.shape[:2], dtype=torch.int64, device=device)
+    if compacted is not None:
+        shift = shift.repeat(compacted.shift.shape[0], 1, 1)
+        shift[:, :, compacted.rows] = compacted.shift
+    lens = (seq_lens.to(torch.int64) - shift).reshape(shift.shape[0], -1).to(torch.int32)
+    identity_slots = token_slots(pages, torch.zeros_like(shift[0]), req, positions, plan.page_size)
     plan.tables = StepTables(
-        identity=identity, seq_lens=seq_lens.to(torch.int64).unsqueeze(0),
-        slots=token_slots(identity, zero_shift, req, positions, plan.page_size),
-        query_start_loc=query_start_loc(qsl, num_heads, num_tokens), compacted=compacted)
+        pages=pages, slots=identity_slots, seq_lens=lens,
+        shift=shift, query_start_loc=query_start_loc(qsl, num_heads, num_tokens), compacted=compacted)
     return plan.tables
 
 
 def virtual_tables(plan, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: torch.Tensor, num_tokens: int, num_heads: int) -> VirtualTables:
+    """This layer's tables. The returned pages/slots are the step's shared buffers, valid until the
+    next layer's call (read them in stream order, as the attention kernels do)."""
     step = step_tables(plan, block_table, seq_lens, query_start_loc, num_tokens, num_heads)
     batch = step.compacted
-    if batch is None:
-        shift = torch.zeros(step.identity.shape[:2], dtype=torch.int64, device=step.identity.device)
-        return VirtualTables(pages=step.identity, shift=shift, seq_lens=step.seq_lens.expand_as(shift),
-                             slots=step.slots)
-    pages = step.identity.clone()
-    pages[:, batch.rows, : batch.pages.shape[-1]] = batch.pages[layer]
-    shift = torch.zeros(pages.shape[:2], dtype=torch.int64, device=pages.device)
-    shift[:, batch.rows] = batch.shift[layer]
-    slots = step.slots.index_copy(0, batch.tokens, batch.slots[layer])
-    return VirtualTables(pages=pages, shift=shift, seq_lens=step.seq_lens - shift, slots=slots)
+    if batch is not None:
+        step.pages[:, :, : batch.pages.shape[-1]].index_copy_(1, batch.rows, batch.pages[layer])
+        step.slots.index_copy_(0, batch.tokens, batch.slots[layer])
+    i = layer if batch is not None else 0
+    return VirtualTables(pages=step.pages, shift=step.shift[i], seq_lens=step.seq_lens[i].view(num_heads, -1),
+                         slots=step.slots)

@@ -33,6 +33,7 @@ class WorkerEviction:
     stacked: tuple | None = None        # per_head.stacked_layers: all layers' pages, built once
     compacted: bool = False             # True from the step after compaction
     prompt_blocks: int = 0              # cdiv(E, page_size): prompt blocks before the P fresh ones
+    fresh_blocks: list[int] = field(default_factory=list)  # the P fresh block ids (set for the compaction step)
 
 
 @dataclass
@@ -164,6 +165,8 @@ class WorkerEvictionState:
                                                 lo - (state.evict_at - state.window)))
                     if computed + count == state.evict_at:
                         compacting.append(row)
+                        blocks = runner.requests[req_id].block_ids[0]
+                        state.fresh_blocks = list(blocks[state.prompt_blocks: state.prompt_blocks + state.pages])
                         self.pending_strip[req_id] = state
                     elif computed + count > state.evict_at:
                         logger.error("vllm-evict: request %s passed its eviction point without a chunk "

@@ -1,0 +1,157 @@
+"""Where the eviction engine's time goes on GPU (torch profiler, no nsys). Not a unit test.
+
+1. FlashAttention alone, decode shape (B requests x 8 KV heads x kv_len, 32 query heads): vLLM's stock
+   call on the NHD cache vs the per-head call on the HND per-head page view, same bytes.
+2. In-process evict engine, Llama-3.1-8B shape (dummy weights): B requests evicted to kv_len per head,
+   then a few decode steps under torch.profiler; and the compaction step of a batch of prompts.
+Prints the top operators by device time and by host time.
+
+  python benchmarks/profile_engine.py --batch 64 --kv-len 2048 --out-dir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+
+
+def bench(fn, iters=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def attention_alone(batch: int, kv_len: int) -> dict:
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
+
+    H, G, D, N = 8, 4, 128, 16
+    dev, dt = "cuda", torch.bfloat16
+    blocks_per = kv_len // N
+    num_blocks = batch * blocks_per + 1
+    version = get_flash_attn_version()
+    # stock: NHD cache [blocks, N, H, D] (vLLM FLASH_ATTN), one sequence per request, 32 query heads
+    k = torch.randn(num_blocks, N, H, D, device=dev, dtype=dt)
+    v = torch.randn_like(k)
+    q = torch.randn(batch, H * G, D, device=dev, dtype=dt)
+    table = torch.arange(batch * blocks_per, device=dev, dtype=torch.int32).view(batch, blocks_per)
+    lens = torch.full((batch,), kv_len, device=dev, dtype=torch.int32)
+    cu = torch.arange(batch + 1, device=dev, dtype=torch.int32)
+    out = torch.empty_like(q)
+
+    def stock():
+        flash_attn_varlen_func(q=q, k=k, v=v, out=out, cu_seqlens_q=cu, max_seqlen_q=1, seqused_k=lens,
+                               max_seqlen_k=kv_len, softmax_scale=D ** -0.5, causal=True, block_table=table,
+                               fa_version=version)
+
+    # per-head: HND cache [blocks, H, N, 2D] viewed as [blocks*H, N, 1, D] pages, B*H sequences of G heads
+    from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
+
+    kv = torch.randn(num_blocks, H, N, 2 * D, device=dev, dtype=dt)
+    paged = kv.view(num_blocks * H, 1, N, 2 * D).transpose(1, 2)
+    kp, vp = (canonicalize_singleton_dim_strides(x) for x in paged.split(D, dim=-1))
+    heads = torch.arange(H, device=dev, dtype=torch.int32).view(H, 1, 1)
+    ptable = (table.unsqueeze(0) * H + heads).reshape(H * batch, blocks_per)
+    qh = torch.randn(H * batch, G, D, device=dev, dtype=dt)
+    plens = torch.full((H * batch,), kv_len, device=dev, dtype=torch.int32)
+    pcu = torch.arange(H * batch + 1, device=dev, dtype=torch.int32)
+    pout = torch.empty_like(qh)
+
+    def per_head(max_seqlen_k=kv_len):
+        flash_attn_varlen_func(q=qh, k=kp, v=vp, out=pout, cu_seqlens_q=pcu, max_seqlen_q=1, seqused_k=plens,
+                               max_seqlen_k=max_seqlen_k, softmax_scale=D ** -0.5, causal=True,
+                               block_table=ptable, fa_version=version)
+
+    kv_bytes = 2 * batch * kv_len * H * D * 2
+    res = {"batch": batch, "kv_len": kv_len, "fa_version": version, "kv_bytes": kv_bytes,
+           "stock_ms": bench(stock), "per_head_ms": bench(per_head),
+           "per_head_max_seqlen_4x_ms": bench(lambda: per_head(4 * kv_len))}
+    res["stock_TBps"] = kv_bytes / res["stock_ms"] / 1e9
+    res["per_head_TBps"] = kv_bytes / res["per_head_ms"] / 1e9
+    return res
+
+
+def engine_profile(args, out_dir: Path) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import LLM, SamplingParams
+
+    from vllm_evict.engine import engine_kwargs
+    from vllm_evict.testing.tiny_models import write_real_config
+
+    model = write_real_config("llama-3.1-8b", Path("/tmp/vllm-evict-bench"))
+    llm = LLM(**engine_kwargs(model=str(model), load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.9,
+                              block_size=16, max_model_len=16384, max_num_batched_tokens=16384, seed=0))
+    engine = llm.llm_engine
+    sched = engine.engine_core.engine_core.scheduler
+    gen = torch.Generator().manual_seed(0)
+    budget = args.kv_len / args.prompt_len
+
+    def add(i, n, max_tokens, eviction):
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0,
+                            extra_args={"vllm_evict": eviction} if eviction else None)
+        engine.add_request(f"{n}-{i}-{time.time()}", {"prompt_token_ids": torch.randint(3, 1000, (n,), generator=gen).tolist()}, sp)
+
+    def table(prof, title, path):
+        text = [f"== {title}",
+                prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25),
+                prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)]
+        path.write_text("\n".join(text))
+        print("\n".join(text)[:6000], flush=True)
+
+    ev = {"policy": "dropkv", "budget": budget, "allocation": "uniform"}
+    for label, eviction, n in (("plain", None, args.kv_len), ("evicted", ev, args.prompt_len)):
+        for i in range(args.batch):
+            add(i, n, 64, eviction)
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running) or sched.waiting:
+            engine.step()
+        for _ in range(3):
+            engine.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(5):
+                engine.step()
+            torch.cuda.synchronize()
+            dt = (time.perf_counter() - t0) / 5
+        print(f"### decode {label}: batch {args.batch}, {dt * 1e3:.2f} ms/step (profiled)", flush=True)
+        table(prof, f"decode {label}", out_dir / f"profile_decode_{label}.txt")
+        while engine.has_unfinished_requests():
+            engine.step()
+    # the compaction step: batch of 8 prompts evicted at the end of prefill
+    for i in range(8):
+        add(i, args.prompt_len, 1, ev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        torch.cuda.synchronize()
+    print(f"### prefill+compaction of 8 x {args.prompt_len}: {time.perf_counter() - t0:.3f} s (profiled)", flush=True)
+    table(prof, "prefill + compaction", out_dir / "profile_compaction.txt")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--kv-len", type=int, default=2048)
+    ap.add_argument("--prompt-len", type=int, default=8192)
+    ap.add_argument("--out-dir", default=".")
+    args = ap.parse_args()
+    out_dir = Path(args.out_dir)
+    print(attention_alone(args.batch, args.kv_len), flush=True)
+    print(attention_alone(8, args.kv_len), flush=True)
+    engine_profile(args, out_dir)
+
+
+if __name__ == "__main__":
+    main()
