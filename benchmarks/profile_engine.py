@@ -75,7 +75,7 @@ def attention_alone(batch: int, kv_len: int) -> dict:
     kv_bytes = 2 * batch * kv_len * H * D * 2
     res = {"batch": batch, "kv_len": kv_len, "fa_version": version, "kv_bytes": kv_bytes,
            "stock_ms": bench(stock), "per_head_ms": bench(per_head),
-           "per_head_max_seqlen_4x_ms": bench(lambda: per_head(4 * kv_len))}
+           "per_head_max_seqlen_10x_ms": bench(lambda: per_head(10 * kv_len))}
     res["stock_TBps"] = kv_bytes / res["stock_ms"] / 1e9
     res["per_head_TBps"] = kv_bytes / res["per_head_ms"] / 1e9
     return res
@@ -91,7 +91,7 @@ def engine_profile(args, out_dir: Path) -> None:
 
     model = write_real_config("llama-3.1-8b", Path("/tmp/vllm-evict-bench"))
     llm = LLM(**engine_kwargs(model=str(model), load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.9,
-                              block_size=16, max_model_len=16384, max_num_batched_tokens=16384, seed=0))
+                              block_size=16, max_model_len=args.max_model_len, max_num_batched_tokens=16384, seed=0))
     engine = llm.llm_engine
     sched = engine.engine_core.engine_core.scheduler
     gen = torch.Generator().manual_seed(0)
@@ -109,25 +109,62 @@ def engine_profile(args, out_dir: Path) -> None:
         path.write_text("\n".join(text))
         print("\n".join(text)[:6000], flush=True)
 
+    core = engine.engine_core.engine_core
+    timers = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
+
+    def timed(obj, name, key):
+        orig = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                timers[key] += time.perf_counter() - t
+        setattr(obj, name, wrapper)
+
+    timed(core.scheduler, "schedule", "schedule")
+    timed(core.scheduler, "update_from_output", "update")
+    timed(core.model_executor, "execute_model", "execute")
     ev = {"policy": "dropkv", "budget": budget, "allocation": "uniform"}
-    for label, eviction, n in (("plain", None, args.kv_len), ("evicted", ev, args.prompt_len)):
+    variants = [("evicted", ev, args.prompt_len)] if args.evicted_only else \
+        [("plain", None, args.kv_len), ("evicted", ev, args.prompt_len)]
+    for label, eviction, n in variants:
+        prefix = torch.randint(3, 1000, (n - 64,), generator=gen).tolist() if args.shared_prefix else None
         for i in range(args.batch):
-            add(i, n, 64, eviction)
+            sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0,
+                                extra_args={"vllm_evict": eviction} if eviction else None)
+            prompt = prefix + torch.randint(3, 1000, (64,), generator=gen).tolist() if prefix else \
+                torch.randint(3, 1000, (n,), generator=gen).tolist()
+            engine.add_request(f"{label}-{i}", {"prompt_token_ids": prompt}, sp)
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running) or sched.waiting:
             engine.step()
         for _ in range(3):
             engine.step()
         torch.cuda.synchronize()
+        for k in timers:
+            timers[k] = 0.0
+        t0 = time.perf_counter()
+        for _ in range(5):
+            engine.step()
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) / 5
+        print(f"### decode {label}: batch {len(sched.running)}, {dt * 1e3:.2f} ms/step (not profiled); per step "
+              + ", ".join(f"{k} {v / 5 * 1e3:.2f} ms" for k, v in timers.items()), flush=True)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
-            for _ in range(5):
+            for _ in range(3):
                 engine.step()
             torch.cuda.synchronize()
-            dt = (time.perf_counter() - t0) / 5
-        print(f"### decode {label}: batch {args.batch}, {dt * 1e3:.2f} ms/step (profiled)", flush=True)
+            dt = (time.perf_counter() - t0) / 3
+        print(f"### decode {label}: {dt * 1e3:.2f} ms/step (profiled)", flush=True)
         table(prof, f"decode {label}", out_dir / f"profile_decode_{label}.txt")
+        for r in list(sched.running) + list(sched.waiting):
+            engine.abort_request([r.request_id])
         while engine.has_unfinished_requests():
             engine.step()
+    if args.evicted_only:
+        return
     # the compaction step: batch of 8 prompts evicted at the end of prefill
     for i in range(8):
         add(i, args.prompt_len, 1, ev)
@@ -146,10 +183,13 @@ def main():
     ap.add_argument("--kv-len", type=int, default=2048)
     ap.add_argument("--prompt-len", type=int, default=8192)
     ap.add_argument("--out-dir", default=".")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=16384)
+    ap.add_argument("--shared-prefix", action="store_true")
+    ap.add_argument("--evicted-only", action="store_true")
     args = ap.parse_args()
     out_dir = Path(args.out_dir)
     print(attention_alone(args.batch, args.kv_len), flush=True)
-    print(attention_alone(8, args.kv_len), flush=True)
     engine_profile(args, out_dir)
 
 

@@ -58,7 +58,8 @@ class EvictionAttentionMixin:
                 query[cap.token_start: cap.token_start + cap.count]
         cache = self._cached_paged_cache(layer, kv_cache)
         if plan.per_head:
-            self._per_head_forward(layer_idx, query, key, value, cache, attn_metadata, output, plan)
+            with torch.profiler.record_function("vllm_evict::per_head_attention"):
+                self._per_head_forward(layer_idx, query, key, value, cache, attn_metadata, output, plan)
         else:
             self._stock_attention(layer, query, key, value, kv_cache, attn_metadata, output)
         for row in plan.compacting:

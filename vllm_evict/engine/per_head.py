@@ -122,6 +122,12 @@ def step_tables(plan, block_table: torch.Tensor, seq_lens: torch.Tensor, qsl: to
                 num_tokens: int, num_heads: int) -> StepTables:
     if plan.tables is not None:
         return plan.tables
+    with torch.profiler.record_function("vllm_evict::step_tables"):
+        plan.tables = _build_step_tables(plan, block_table, seq_lens, qsl, num_tokens, num_heads)
+    return plan.tables
+
+
+def _build_step_tables(plan, block_table, seq_lens, qsl, num_tokens, num_heads) -> StepTables:
     device = block_table.device
     width = min(block_table.shape[1], plan.max_blocks)
     block_table = block_table[:, :width].to(torch.int32)
@@ -140,10 +146,8 @@ def step_tables(plan, block_table: torch.Tensor, seq_lens: torch.Tensor, qsl: to
         shift[:, :, compacted.rows] = compacted.shift
     lens = (seq_lens.to(torch.int64) - shift).reshape(shift.shape[0], -1).to(torch.int32)
     identity_slots = token_slots(pages, torch.zeros_like(shift[0]), req, positions, plan.page_size)
-    plan.tables = StepTables(
-        pages=pages, slots=identity_slots, seq_lens=lens,
-        shift=shift, query_start_loc=query_start_loc(qsl, num_heads, num_tokens), compacted=compacted)
-    return plan.tables
+    return StepTables(pages=pages, slots=identity_slots, seq_lens=lens, shift=shift,
+                      query_start_loc=query_start_loc(qsl, num_heads, num_tokens), compacted=compacted)
 
 
 def virtual_tables(plan, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
