@@ -58,8 +58,11 @@ def make_engine(args):
     else:  # CPU smoke run of the script itself (tests/bench): tiny random Llama, fp32
         model = ensure_tiny_model("llama")
         kwargs = dict(model=str(model), dtype="float32", kv_cache_memory_bytes=1 << 28)
+    # Token ids in, token ids out: no detokenizer. Dummy weights emit ids outside the stand-in
+    # tokenizer's vocabulary, and detokenizing them cost O(prompt length) per request per step.
     kwargs.update(block_size=16, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True, seed=0)
+                  max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True, seed=0,
+                  skip_tokenizer_init=True)
     if args.engine == "evict":
         from vllm_evict.engine import engine_kwargs
 
@@ -95,7 +98,7 @@ class Driver:
         rid = f"q{self.counter}"
         self.counter += 1
         extra = {"vllm_evict": eviction} if eviction else None
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0,
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, detokenize=False,
                             output_kind=RequestOutputKind.DELTA, extra_args=extra)
         self.engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
         return rid
@@ -300,6 +303,11 @@ def run_one(args) -> dict:
 # Each plan: the engines of one device call, vanilla first; (engine, suite, extra arguments, seconds).
 PLANS = {
     "latency": [("vanilla", "latency", [], 240), ("evict", "latency", [], 300)],
+    # decode-step latency and 32K decode throughput without TTFT cases or capacity runs (one call)
+    "decode": [("vanilla", "latency", ["--ttft-cases"], 140), ("evict", "latency", ["--ttft-cases"], 170),
+               ("vanilla", "load", ["--prompt-len", "32768", "--max-tokens", "512", "--num-requests", "26"], 170),
+               ("evict", "load", ["--prompt-len", "32768", "--max-tokens", "512", "--num-requests", "192",
+                                  "--shared-prefix"], 160)],
     "load8k": [("vanilla", "load", ["--prompt-len", "8192", "--max-tokens", "1024", "--num-requests", "256"], 290),
                ("evict", "load", ["--prompt-len", "8192", "--max-tokens", "1024", "--num-requests", "256"], 270)],
     "load32k": [("vanilla", "load", ["--prompt-len", "32768", "--max-tokens", "512", "--num-requests", "26"], 210),
@@ -360,7 +368,7 @@ def main() -> int:
     o.add_argument("--shared-prefix", action="store_true")
     o.add_argument("--stall-steps", type=int, default=20)
     o.add_argument("--capacity-configs", nargs="+", type=str, default=["0.1:uniform"])
-    o.add_argument("--ttft-cases", nargs="+", default=["8192x1", "32768x1", "65536x1", "8192x8", "32768x8"],
+    o.add_argument("--ttft-cases", nargs="*", default=["8192x1", "32768x1", "65536x1", "8192x8", "32768x8"],
                    help="LENxBATCH")
     o.add_argument("--repeats", type=int, default=2)
     o.add_argument("--decode-batches", nargs="+", type=int, default=[8, 64])
