@@ -63,6 +63,64 @@ def plot_capacity() -> Path:
     return out
 
 
+def _result(name: str) -> dict:
+    return json.loads((ROOT / "docs" / "results" / name).read_text())
+
+
+def plot_serving() -> Path:
+    """Issue-7 serving figures: capacity, decode throughput at capacity, TTFT (H100, one run each)."""
+    vanilla, evict = _result("serving_load32k_vanilla_h100.json"), _result("serving_load32k_evict_h100.json")
+    caps = [("vanilla", vanilla["capacity"])] + [("dropkv 10% uniform", evict["capacity"])] + [
+        (f"dropkv {r['eviction']['budget']:.0%} {r['eviction']['allocation']}", r["capacity"])
+        for r in _result("serving_capacity_evict_h100.json")["runs"]]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ax = axes[0]
+    bars = ax.bar([c[0] for c in caps], [c[1] for c in caps], color=["#999999"] + ["#1f77b4"] * (len(caps) - 1))
+    for bar, (_, v) in zip(bars, caps):
+        ax.text(bar.get_x() + bar.get_width() / 2, v + 1, str(v), ha="center")
+    ax.set_ylabel("concurrent 32K-token requests")
+    ax.set_title("Capacity before preemption")
+    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    ax = axes[1]
+    pts = [("vanilla", vanilla), ("dropkv 10%", evict)]
+    for (label, r), color in zip(pts, ["#999999", "#1f77b4"]):
+        ax.scatter(r["decode_mean_batch"], r["decode_tok_s"], s=60, color=color, label=label, zorder=3)
+        ax.annotate(f"{r['decode_tok_s']:.0f} tok/s\n{r['decode_step_ms_mean']:.1f} ms/step",
+                    (r["decode_mean_batch"], r["decode_tok_s"]), textcoords="offset points", xytext=(8, -12),
+                    fontsize=8)
+    ax.set_xlabel("concurrent decoding requests (mean over decode steps)")
+    ax.set_ylabel("decode throughput (output tokens/s)")
+    ax.set_title("Decode throughput at capacity, 32K in / 512 out")
+    ax.set_xlim(0, 140)
+    ax.set_ylim(0, 4000)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    ax = axes[2]
+    ttft = {}
+    for name, label in (("serving_latency_vanilla_h100.json", "vanilla"), ("serving_latency_evict_h100.json",
+                                                                           "dropkv 10%")):
+        for row in _result(name)["ttft"]:
+            if row["repeat"] == 1:
+                ttft.setdefault((row["prompt_len"], row["batch"]), {})[label] = row["ttft_ms_mean"]
+    keys = sorted(ttft)
+    xs = range(len(keys))
+    ax.bar([x - 0.2 for x in xs], [ttft[k]["vanilla"] for k in keys], 0.4, color="#999999", label="vanilla")
+    ax.bar([x + 0.2 for x in xs], [ttft[k]["dropkv 10%"] for k in keys], 0.4, color="#1f77b4", label="dropkv 10%")
+    for x, k in zip(xs, keys):
+        over = ttft[k]["dropkv 10%"] / ttft[k]["vanilla"] - 1
+        ax.text(x + 0.2, ttft[k]["dropkv 10%"] * 1.1, f"+{over:.0%}", ha="center", fontsize=8)
+    ax.set_xticks(list(xs), [f"{k[0] // 1024}K x{k[1]}" for k in keys], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("mean TTFT (ms)")
+    ax.set_title("Time to first token (prompt x batch)")
+    ax.legend(fontsize=8)
+    fig.suptitle("vllm-evict vs vanilla vLLM 0.26.0, Llama-3.1-8B shape (dummy bf16), H100 80GB", fontsize=10)
+    out = IMG / "serving_h100.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
+
+
 if __name__ == "__main__":
     IMG.mkdir(parents=True, exist_ok=True)
-    print(plot_scoring(), plot_capacity())
+    print(plot_scoring(), plot_capacity(), plot_serving())
