@@ -57,7 +57,7 @@ def make_engine(args):
                       attention_backend="FLASH_ATTN")
     else:  # CPU smoke run of the script itself (tests/bench): tiny random Llama, fp32
         model = ensure_tiny_model("llama")
-        kwargs = dict(model=str(model), dtype="float32", kv_cache_memory_bytes=1 << 28)
+        kwargs = dict(model=str(model), dtype="float32", kv_cache_memory_bytes=args.kv_cache_memory_bytes)
     # Token ids in, token ids out: no detokenizer. Dummy weights emit ids outside the stand-in
     # tokenizer's vocabulary, and detokenizing them cost O(prompt length) per request per step.
     kwargs.update(block_size=16, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -378,6 +378,7 @@ def main() -> int:
     o.add_argument("--max-model-len", type=int, default=66048)
     o.add_argument("--max-num-seqs", type=int, default=512)
     o.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    o.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 28, help="CPU runs only")
     o.add_argument("--time-limit", type=float, default=540)
     o.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
