@@ -272,7 +272,9 @@ def suite_capacity(args, drv: Driver, deadline: float) -> dict:
             break
         eviction = None if args.engine == "vanilla" else {"policy": args.policy, "budget": budget,
                                                           "allocation": allocation}
-        num = args.num_requests if eviction is None else int(1.6 / budget * 13) + 16
+        # Enough requests to outgrow the cache: ~1.3x what it holds at budget * prompt tokens each.
+        cache_tokens = drv.scheduler.kv_cache_manager.block_pool.num_gpu_blocks * 16
+        num = args.num_requests if eviction is None else int(1.3 * cache_tokens / (budget * args.prompt_len)) + 16
         runs.append(run_load(args, drv, deadline, num, args.max_tokens, eviction, True))
     return {"runs": runs}
 
