@@ -81,7 +81,7 @@ def test_compact_then_decode_matches_explicit(allocation):
     block_row = torch.tensor([[30, 31, tail_block, 0]], dtype=torch.int32)
     seq_lens = torch.tensor([E + m], dtype=torch.int32)
     plan = StepPlan(num_reqs=1, states=[state], captures=[], compacting=[], compacted_rows=[0], page_size=N, max_blocks=4,
-                    row_blocks=[3])
+                    row_blocks=[3], compacted_tokens=list(range(m)))
     qsl = torch.tensor([0, m], dtype=torch.int32)  # m-token chunk (causal) after compaction
     tables = per_head.virtual_tables(plan, 0, block_row, seq_lens, qsl, m, H)
     slots_new = tables.slots

@@ -59,7 +59,7 @@ def test_compacted_and_plain_rows_match_explicit(allocation):
     qsl = torch.tensor([0, m0, m0 + m1], device=dev, dtype=torch.int32)
     n = m0 + m1
     plan = StepPlan(num_reqs=2, states=[state, None], captures=[], compacting=[], compacted_rows=[0], page_size=N,
-                    max_blocks=5, row_blocks=[5, 3])
+                    max_blocks=5, row_blocks=[5, 3], compacted_tokens=list(range(m0)))
     tables = per_head.virtual_tables(plan, 0, block_table, seq_lens, qsl, n, H)
     new_k = torch.cat([torch.randn(m0, H, D, device=dev, dtype=dt), plain_k[L1 - m1:]])
     new_v = torch.cat([torch.randn(m0, H, D, device=dev, dtype=dt), plain_v[L1 - m1:]])

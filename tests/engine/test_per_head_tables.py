@@ -43,6 +43,38 @@ def expected_pages(state, row_blocks, layer, head):
     return kept_pages + tail, state.evict_at - int(layout.kept[head])
 
 
+def check_step(states, rows, seq_lens, chunk, cache):
+    """Build one step's plan for rows (block lists) and check every layer against the loop."""
+    width = 6
+    block_table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+    starts = [sum(chunk[:i]) for i in range(len(chunk))]
+    qsl = torch.tensor(starts + [sum(chunk)], dtype=torch.int32)
+    compacted_rows = [r for r, st in enumerate(states) if st is not None]
+    tokens = [starts[r] + t for r in compacted_rows for t in range(chunk[r])]
+    plan = StepPlan(num_reqs=len(rows), states=states, captures=[], compacting=[], compacted_rows=compacted_rows,
+                    page_size=N, max_blocks=max(len(r) for r in rows), row_blocks=[len(r) for r in rows],
+                    compacted_tokens=tokens, cache=cache)
+    n = sum(chunk)
+    for layer in range(L):
+        tables = per_head.virtual_tables(plan, layer, block_table, seq_lens, qsl, n, H)
+        for r, (state, blocks) in enumerate(zip(states, rows)):
+            for t in range(chunk[r]):
+                pos = int(seq_lens[r]) - chunk[r] + t
+                for h in range(H):
+                    pages, shift = expected_pages(state, blocks, layer, h)
+                    vpos = pos - shift
+                    assert int(tables.slots[starts[r] + t, h]) == pages[vpos // N] * N + vpos % N
+            for h in range(H):
+                pages, shift = expected_pages(state, blocks, layer, h)
+                vlen = int(seq_lens[r]) - shift
+                assert int(tables.shift[h, r]) == shift
+                assert int(tables.seq_lens[h, r]) == vlen
+                used = -(-vlen // N)
+                assert tables.pages[h, r, :used].tolist() == pages[:used]
+    vqsl = plan.tables.query_start_loc
+    assert vqsl.tolist() == [h * n + s for h in range(H) for s in starts] + [H * n]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_virtual_tables_match_per_sequence_loop(seed):
     rng = torch.Generator().manual_seed(seed)
@@ -52,31 +84,23 @@ def test_virtual_tables_match_per_sequence_loop(seed):
     s1 = compacted_state(rng, 20, 2, 40)
     s2 = compacted_state(rng, 13, 3, 50)
     rows = [[1, 2, 3], [40, 41, 60, 61], [50, 51, 52, 70, 71]]
-    seq_lens = torch.tensor([12, 27, 19])
-    chunk = [5, 1, 6]
-    width = 6
-    block_table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
-    qsl = torch.tensor([0, 5, 6, 12], dtype=torch.int32)
-    states = [None, s1, s2]
-    plan = StepPlan(num_reqs=3, states=states, captures=[], compacting=[], compacted_rows=[1, 2], page_size=N,
-                    max_blocks=5, row_blocks=[len(r) for r in rows])
-    for layer in range(L):
-        tables = per_head.virtual_tables(plan, layer, block_table, seq_lens, qsl, 12, H)
-        token = 0
-        for r, (state, blocks) in enumerate(zip(states, rows)):
-            for t in range(chunk[r]):
-                pos = int(seq_lens[r]) - chunk[r] + t
-                for h in range(H):
-                    pages, shift = expected_pages(state, blocks, layer, h)
-                    vpos = pos - shift
-                    assert int(tables.slots[token + t, h]) == pages[vpos // N] * N + vpos % N
-            for h in range(H):
-                pages, shift = expected_pages(state, blocks, layer, h)
-                vlen = int(seq_lens[r]) - shift
-                assert int(tables.shift[h, r]) == shift
-                assert int(tables.seq_lens[h, r]) == vlen
-                used = -(-vlen // N)
-                assert tables.pages[h, r, :used].tolist() == pages[:used]
-            token += chunk[r]
-    vqsl = plan.tables.query_start_loc
-    assert vqsl.tolist() == [h * 12 + s for h in range(H) for s in (0, 5, 6)] + [H * 12]
+    check_step([None, s1, s2], rows, torch.tensor([12, 27, 19]), [5, 1, 6], {})
+
+
+def test_row_stack_cache_follows_the_batch():
+    """Steps share the cross-step cache: same rows reuse it, a reordered or new request rebuilds it."""
+    rng = torch.Generator().manual_seed(7)
+    s1, s2 = compacted_state(rng, 20, 2, 40), compacted_state(rng, 13, 3, 50)
+    cache = {}
+    rows = [[1, 2, 3], [40, 41, 60, 61], [50, 51, 52, 70, 71]]
+    check_step([None, s1, s2], rows, torch.tensor([12, 27, 19]), [5, 1, 6], cache)
+    held = cache["stacked_rows"]
+    # next step: same requests, one more block for rows 0 and 1, decode everywhere
+    rows = [[1, 2, 3, 4], [40, 41, 60, 61, 62], [50, 51, 52, 70, 71]]
+    check_step([None, s1, s2], rows, torch.tensor([13, 28, 20]), [1, 1, 1], cache)
+    assert cache["stacked_rows"] is held
+    # the batch reorders (row 1 <-> row 2), then a new eviction replaces s1 in the same row
+    check_step([None, s2, s1], [rows[0], rows[2], rows[1]], torch.tensor([13, 20, 28]), [1, 1, 1], cache)
+    assert cache["stacked_rows"] is not held
+    s3 = compacted_state(rng, 20, 2, 40)
+    check_step([None, s2, s3], [rows[0], rows[2], rows[1]], torch.tensor([13, 20, 28]), [1, 1, 1], cache)

@@ -82,17 +82,38 @@ def token_slots(pages: torch.Tensor, shift: torch.Tensor, req: torch.Tensor, pos
     return (page.to(torch.int64) * page_size + vpos % page_size).transpose(-1, -2)
 
 
+def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 tensor of host values; on CUDA through pinned memory without a stream sync."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+
+
+def stacked_rows(plan, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kept pages [L, H, Rc, Pm], counts [L, H, Rc, 1] and shift [L, H, Rc] of the compacted rows.
+
+    Reused while the batch's compacted rows stay the same requests in the same order (steady decode)."""
+    key = tuple((r, plan.states[r].serial) for r in plan.compacted_rows)
+    held = plan.cache.get("stacked_rows")
+    if held is not None and held[0] == key:
+        return held[1]
+    parts = [stacked_layers(plan.states[r], device) for r in plan.compacted_rows]
+    kept_width = max(p[0].shape[-1] for p in parts)
+    kept = torch.stack([F.pad(p[0], (0, kept_width - p[0].shape[-1])) for p in parts], dim=2)
+    counts = torch.stack([p[1] for p in parts], dim=2).unsqueeze(-1)
+    shift = torch.stack([p[2] for p in parts], dim=2)
+    plan.cache["stacked_rows"] = (key, (kept, counts, shift))
+    return kept, counts, shift
+
+
 def compacted_batch(plan, block_table: torch.Tensor, req: torch.Tensor, positions: torch.Tensor,
                     num_heads: int) -> CompactedBatch:
     device = block_table.device
-    parts = [stacked_layers(plan.states[r], device) for r in plan.compacted_rows]
-    kept_width = max(p[0].shape[-1] for p in parts)
-    kept = torch.stack([F.pad(p[0], (0, kept_width - p[0].shape[-1])) for p in parts], dim=2)  # [L, H, Rc, Pm]
-    counts = torch.stack([p[1] for p in parts], dim=2).unsqueeze(-1)                              # [L, H, Rc, 1]
-    shift = torch.stack([p[2] for p in parts], dim=2)                                             # [L, H, Rc]
-    rows = torch.tensor(plan.compacted_rows, device=device)
-    first = torch.tensor([plan.states[r].pages for r in plan.compacted_rows], device=device)
-    end = torch.tensor([plan.row_blocks[r] for r in plan.compacted_rows], device=device)
+    kept, counts, shift = stacked_rows(plan, device)
+    kept_width = kept.shape[-1]
+    rows = host_to_device(plan.compacted_rows, device)
+    first = host_to_device([plan.states[r].pages for r in plan.compacted_rows], device)
+    end = host_to_device([plan.row_blocks[r] for r in plan.compacted_rows], device)
     tail_len = max(max(plan.row_blocks[r] - plan.states[r].pages for r in plan.compacted_rows), 1)
     col = first.unsqueeze(1) + torch.arange(tail_len, device=device).unsqueeze(0)       # [Rc, Tm]
     tail = block_table[rows.unsqueeze(1), col.clamp(max=block_table.shape[1] - 1)].to(torch.int32)
@@ -107,7 +128,7 @@ def compacted_batch(plan, block_table: torch.Tensor, req: torch.Tensor, position
     # Scheduled tokens of the compacted rows and their slots in every layer.
     row_of = torch.full((block_table.shape[0],), -1, dtype=torch.int64, device=device)
     row_of[rows] = torch.arange(rows.numel(), device=device)
-    tokens = torch.nonzero(row_of[req] >= 0).squeeze(1)
+    tokens = host_to_device(plan.compacted_tokens, device)  # known on the host: no nonzero() sync
     slots = token_slots(pages, shift, row_of[req[tokens]], positions[tokens], plan.page_size)
     return CompactedBatch(rows=rows, pages=pages, shift=shift, tokens=tokens, slots=slots)
 

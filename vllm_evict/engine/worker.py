@@ -10,6 +10,7 @@ The runner hooks wrap three `GPUModelRunner` methods (the CPU runner inherits th
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,7 @@ class WorkerEviction:
     compacted: bool = False             # True from the step after compaction
     prompt_blocks: int = 0              # cdiv(E, page_size): prompt blocks before the P fresh ones
     fresh_blocks: list[int] = field(default_factory=list)  # the P fresh block ids (set for the compaction step)
+    serial: int = field(default_factory=itertools.count().__next__)  # unique per eviction (cache keys)
 
 
 @dataclass
@@ -54,6 +56,8 @@ class StepPlan:
     page_size: int
     max_blocks: int                          # widest block-table row this step needs
     row_blocks: list[int]                    # blocks in each row's block-table row
+    compacted_tokens: list[int]              # batch indices of the compacted rows' scheduled tokens
+    cache: dict = field(default_factory=dict)  # kept across steps (per_head reuses row stacks)
     tables: object | None = None             # per_head.StepTables, built by the first layer
 
     @property
@@ -70,6 +74,7 @@ class WorkerEvictionState:
         self.pending_strip: dict[str, WorkerEviction] = {}
         self.plan: StepPlan | None = None
         self.latency_ms: dict[str, float] = {}   # scoring + compaction time, until sent to the scheduler
+        self.step_cache: dict = {}               # per_head's cross-step cache (StepPlan.cache)
 
     def add_latency(self, req_id: str, ms: float) -> None:
         self.latency_ms[req_id] = self.latency_ms.get(req_id, 0.0) + ms
@@ -149,6 +154,7 @@ class WorkerEvictionState:
         page_size = runner.cache_config.block_size
         max_blocks = 1
         row_blocks: list[int] = []
+        compacted_tokens: list[int] = []
         for row, req_id in enumerate(batch.req_ids[:num_reqs]):
             count = scheduler_output.num_scheduled_tokens[req_id]
             state = self._state_for(runner, req_id)
@@ -157,6 +163,7 @@ class WorkerEvictionState:
                 computed = int(batch.num_computed_tokens_cpu[row])
                 if state.compacted:
                     compacted_rows.append(row)
+                    compacted_tokens.extend(range(token_start, token_start + count))
                 else:
                     lo = max(computed, state.evict_at - state.window)
                     hi = min(computed + count, state.evict_at)
@@ -179,7 +186,7 @@ class WorkerEvictionState:
             max_blocks = max(max_blocks, row_blocks[-1])
         self.plan = StepPlan(num_reqs=num_reqs, states=states, captures=captures, compacting=compacting,
                              compacted_rows=compacted_rows, page_size=page_size, max_blocks=max_blocks,
-                             row_blocks=row_blocks)
+                             row_blocks=row_blocks, compacted_tokens=compacted_tokens, cache=self.step_cache)
 
     def end_step(self) -> None:
         self.plan = None
