@@ -40,7 +40,8 @@ class CompactedBatch:
 
 @dataclass
 class StepTables:
-    """Everything the per-head path reads, all layers: built by the first layer of the step.
+    """Everything the per-head path reads, all layers: built by the first layer of the step (the
+    per-head path runs only for batches that hold compacted rows).
 
     `pages` and `slots` are this step's working tables: standard layout everywhere, and each layer
     overwrites only the compacted rows' part in place (stream order makes layer l's kernels read its
@@ -48,10 +49,10 @@ class StepTables:
 
     pages: torch.Tensor            # [H, R, W] int32
     slots: torch.Tensor            # [T, H] int64
-    seq_lens: torch.Tensor         # [L or 1, H*R] int32 virtual lengths per layer
-    shift: torch.Tensor            # [L or 1, H, R] int64
+    seq_lens: torch.Tensor         # [L, H*R] int32 virtual lengths per layer
+    shift: torch.Tensor            # [L, H, R] int64
     query_start_loc: torch.Tensor  # [H*R + 1] int32 of the head-major virtual sequences
-    compacted: CompactedBatch | None
+    compacted: CompactedBatch
 
 
 def stacked_layers(state, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,14 +158,11 @@ def _build_step_tables(plan, block_table, seq_lens, qsl, num_tokens, num_heads) 
     req = torch.repeat_interleave(torch.arange(seq_lens.numel(), device=device), qsl64[1:] - qsl64[:-1],
                                   output_size=num_tokens)
     positions = seq_lens.to(torch.int64)[req] - (qsl64[req + 1] - torch.arange(num_tokens, device=device))
-    compacted = compacted_batch(plan, block_table, req, positions, num_heads) if plan.compacted_rows else None
+    compacted = compacted_batch(plan, block_table, req, positions, num_heads)
     # A compacted row may need more columns than its blocks (a head keeping more than P pages).
-    extra = max(compacted.pages.shape[-1] - width, 0) if compacted is not None else 0
-    pages = F.pad(block_table.unsqueeze(0) * num_heads + heads, (0, extra))
-    shift = torch.zeros(1, *pages.shape[:2], dtype=torch.int64, device=device)
-    if compacted is not None:
-        shift = shift.repeat(compacted.shift.shape[0], 1, 1)
-        shift[:, :, compacted.rows] = compacted.shift
+    pages = F.pad(block_table.unsqueeze(0) * num_heads + heads, (0, max(compacted.pages.shape[-1] - width, 0)))
+    shift = torch.zeros(compacted.shift.shape[0], *pages.shape[:2], dtype=torch.int64, device=device)
+    shift[:, :, compacted.rows] = compacted.shift
     lens = (seq_lens.to(torch.int64) - shift).reshape(shift.shape[0], -1).to(torch.int32)
     identity_slots = token_slots(pages, torch.zeros_like(shift[0]), req, positions, plan.page_size)
     return StepTables(pages=pages, slots=identity_slots, seq_lens=lens, shift=shift,
@@ -177,9 +175,7 @@ def virtual_tables(plan, layer: int, block_table: torch.Tensor, seq_lens: torch.
     next layer's call (read them in stream order, as the attention kernels do)."""
     step = step_tables(plan, block_table, seq_lens, query_start_loc, num_tokens, num_heads)
     batch = step.compacted
-    if batch is not None:
-        step.pages[:, :, : batch.pages.shape[-1]].index_copy_(1, batch.rows, batch.pages[layer])
-        step.slots.index_copy_(0, batch.tokens, batch.slots[layer])
-    i = layer if batch is not None else 0
-    return VirtualTables(pages=step.pages, shift=step.shift[i], seq_lens=step.seq_lens[i].view(num_heads, -1),
-                         slots=step.slots)
+    step.pages[:, :, : batch.pages.shape[-1]].index_copy_(1, batch.rows, batch.pages[layer])
+    step.slots.index_copy_(0, batch.tokens, batch.slots[layer])
+    return VirtualTables(pages=step.pages, shift=step.shift[layer],
+                         seq_lens=step.seq_lens[layer].view(num_heads, -1), slots=step.slots)
