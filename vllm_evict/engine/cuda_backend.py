@@ -39,9 +39,6 @@ class CudaPagedCache:
     def write_tokens(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
         """Write keys/values [T, H, D] of scheduled tokens to their per-head slots [T, H]: rows of the
         contiguous HND cache are exactly the slots (page * N + offset), so two index_puts, no copies."""
-        if self.kv_cache_dtype != "auto" or not self.kv_cache.is_contiguous():
-            D = self.head_dim
-            return self.write_pages(keys.reshape(-1, D), values.reshape(-1, D), slots.reshape(-1))
         rows = self.kv_cache.view(-1, 2 * self.head_dim)
         rows[:, : self.head_dim].index_put_((slots,), keys)
         rows[:, self.head_dim:].index_put_((slots,), values)
