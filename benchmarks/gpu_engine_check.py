@@ -7,8 +7,8 @@
              reference, so tokens are compared like vLLM's own `check_logprobs_close`: equal until the first
              divergence, where each side's token must be in the other's top-5. Kept sets are also compared
              with the reference's own selection on fp32 scores (agreement reported, not asserted).
-  capacity:  full Llama-3.1-8B config, load_format=dummy: how many 32K-token requests run concurrently
-             before the scheduler preempts or queues them, vanilla vs eviction budgets.
+
+Capacity, throughput and latency against vanilla vLLM: benchmarks/serving.py.
 """
 
 from __future__ import annotations
@@ -112,86 +112,16 @@ def run_exactness(args) -> dict:
             "results": results}
 
 
-def run_capacity(args) -> dict:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
-
-    from vllm_evict.engine import engine_kwargs
-    from vllm_evict.testing.tiny_models import write_real_config
-
-    model_dir = write_real_config("llama-3.1-8b", Path(args.workdir))
-    budget = None if args.budget in ("none", "vanilla") else float(args.budget)
-    extra = {"vllm_evict": {"policy": args.policy, "budget": budget, "allocation": args.allocation}} if budget else None
-    kwargs = dict(model=str(model_dir), load_format="dummy", dtype="bfloat16", block_size=16,
-                  max_model_len=args.prompt_len + args.max_tokens + 16, gpu_memory_utilization=0.9, max_num_seqs=512,
-                  max_num_batched_tokens=16384, enable_prefix_caching=False, enforce_eager=args.eager, seed=0)
-    llm = LLM(**(engine_kwargs(**kwargs) if not args.stock else kwargs))
-    core = llm.llm_engine.engine_core.engine_core
-    scheduler = core.scheduler
-    total_blocks = scheduler.kv_cache_manager.block_pool.num_gpu_blocks
-    g = torch.Generator().manual_seed(0)
-    for i in range(args.num_requests):
-        prompt = torch.randint(3, 1000, (args.prompt_len,), generator=g).tolist()
-        llm.llm_engine.add_request(f"r{i}", {"prompt_token_ids": prompt},
-                                   SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, extra_args=extra))
-    max_running_no_preempt = 0
-    max_decoding = 0
-    first_preempt_step = None
-    t0 = time.time()
-    steps = 0
-    last_admission_step = 0
-    stop_reason = "all requests finished"
-    while llm.llm_engine.has_unfinished_requests():
-        if time.time() - t0 > args.time_limit:
-            stop_reason = "time limit"
-            break
-        before = len(scheduler.running)
-        llm.llm_engine.step()
-        steps += 1
-        if len(scheduler.running) > before:
-            last_admission_step = steps
-        if scheduler.waiting and steps - last_admission_step > args.stall_steps:
-            stop_reason = f"no admission for {args.stall_steps} steps with requests waiting"
-            break
-        preempted = sum(r.num_preemptions for r in scheduler.running) + sum(
-            r.num_preemptions for r in scheduler.waiting)
-        decoding = sum(1 for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens)
-        if preempted and first_preempt_step is None:
-            first_preempt_step = steps
-            stop_reason = "first preemption"
-            break
-        if first_preempt_step is None:
-            max_running_no_preempt = max(max_running_no_preempt, len(scheduler.running))
-            max_decoding = max(max_decoding, decoding)
-    return {"mode": "stock vLLM" if args.stock else ("vllm-evict, no eviction" if not budget else "vllm-evict"),
-            "policy": args.policy if budget else None, "budget": budget, "allocation": args.allocation if budget else None,
-            "prompt_len": args.prompt_len, "num_requests": args.num_requests, "kv_blocks_total": total_blocks,
-            "kv_tokens_total": total_blocks * 16, "max_running_before_preemption": max_running_no_preempt,
-            "max_concurrent_decoding_before_preemption": max_decoding, "first_preemption_step": first_preempt_step,
-            "steps": steps, "wall_s": round(time.time() - t0, 1), "eager": args.eager, "stop_reason": stop_reason,
-            "waiting_at_stop": len(scheduler.waiting)}
-
-
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["exactness", "capacity"])
+    ap.add_argument("mode", choices=["exactness"])
     ap.add_argument("--workdir", default="/tmp/vllm-evict-gpu")
     ap.add_argument("--out", default=None)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=2000)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--budget", default="0.1")
-    ap.add_argument("--policy", default="dropkv")
-    ap.add_argument("--allocation", default="uniform")
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--time-limit", type=float, default=300)
-    ap.add_argument("--eager", action="store_true")
-    ap.add_argument("--stall-steps", type=int, default=30)
-    ap.add_argument("--stock", action="store_true", help="plain vLLM without the plugin's engine kwargs")
     args = ap.parse_args()
-    if args.stock:
-        os.environ["VLLM_PLUGINS"] = "none"  # load no general plugins at all: stock vLLM
-    result = run_exactness(args) if args.mode == "exactness" else run_capacity(args)
+    result = run_exactness(args)
     result.update(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"))
     text = json.dumps(result, indent=1)
     print(text)
