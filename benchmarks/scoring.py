@@ -149,29 +149,19 @@ def bench_case(policy, n, w, *, H_q=32, H_kv=8, D=128, config=None, do_naive=Tru
     res["score_flop_av_fp32"] = 2 * M * n * D if need_a else 0
     del preps, prot
 
-    if do_naive:
-        def naive():
-            q, k, v = rot.next()
-            return naive_torch_scores(policy, q, k, v)
+    for enabled, name, scorer in ((do_naive, "naive", naive_torch_scores), (do_ref, "ref32", window_scores_reference)):
+        if not enabled:
+            continue
 
-        try:
-            res["naive_ms"] = _bench(naive, warmup=10, rep=50)
-            res["naive_peak_bytes"] = _peak_extra_bytes(naive)
-        except torch.OutOfMemoryError:
-            res["naive_ms"] = None
-            res["naive_peak_bytes"] = None
-        torch.cuda.empty_cache()
-    if do_ref:
-        def ref():
+        def call(scorer=scorer):
             q, k, v = rot.next()
-            return window_scores_reference(policy, q, k, v)
+            return scorer(policy, q, k, v)
 
-        try:
-            res["ref32_ms"] = _bench(ref, warmup=10, rep=50)
-            res["ref32_peak_bytes"] = _peak_extra_bytes(ref)
+        try:  # None where the scorer does not fit in memory
+            res[f"{name}_ms"] = _bench(call, warmup=10, rep=50)
+            res[f"{name}_peak_bytes"] = _peak_extra_bytes(call)
         except torch.OutOfMemoryError:
-            res["ref32_ms"] = None
-            res["ref32_peak_bytes"] = None
+            res[f"{name}_ms"] = res[f"{name}_peak_bytes"] = None
         torch.cuda.empty_cache()
     # sanity: kernel vs fp32 reference on this set (max relative error)
     q, k, v = sets[0]
