@@ -8,7 +8,7 @@ import torch
 
 from ._validate import check_gqa, check_int, check_kv, check_pool_kernel, check_queries
 from .base import Policy
-from .budget import _check_alloc, _check_scores, allocate_pages, check_budget, kept_counts
+from .budget import allocate_pages, kept_counts
 from .caote import check_base
 from .registry import get_policy
 from .selection import keep_mask
@@ -102,8 +102,5 @@ def select_tokens(
     Head i keeps its K_i = min(n, p_i * page_size) best tokens (p_i from allocate_pages; all n when nothing
     is evicted) in a stable descending order of its scores: equal scores keep the lower position.
     """
-    _check_scores(scores)
-    check_budget(budget)
-    _check_alloc(allocation, page_size, alpha)
-    pages = allocate_pages(scores, budget, allocation=allocation, page_size=page_size, alpha=alpha)
+    pages = allocate_pages(scores, budget, allocation=allocation, page_size=page_size, alpha=alpha)  # validates
     return keep_mask(scores, kept_counts(pages, scores.shape[1], page_size))
