@@ -22,9 +22,10 @@
 # stops early still fills every cell, with fewer samples (status "incomplete (k/N)" in the tables).
 # Copy $OUT/quality/* into docs/quality/ and commit ruler_gpu.{csv,json,md,png,_summary.csv}.
 #
-# Knobs (environment): SAMPLES (100 per task x length), LENGTHS ("1024 2048 4096 8192"), TASKS (all),
+# Knobs (environment): WORKERS (6 engines sharing the GPU, `--shard k/WORKERS`; KV_BYTES of KV cache each),
+# SAMPLES (100 per task x length), LENGTHS ("1024 2048 4096 8192"), TASKS (all),
 # POLICIES ("core": the 9 SPEC policies; "all" adds tova h2o knorm), BUDGETS ("0.05 0.1 0.2 0.4 1.0"),
-# VARIANTS ("aware agnostic"), CHUNK (10), STOP_AFTER (480), NAME (ruler_gpu), PREDICTIONS (0: the
+# VARIANTS ("aware agnostic"), CHUNK (1 sample index per shard and call), STOP_AFTER (420), NAME (ruler_gpu), PREDICTIONS (0: the
 # per-request log omits generated texts so that ruler_gpu_requests.jsonl.gz stays under the 16 MiB a file
 # that can come back from the device; 1 keeps them).
 # Cost: about 2400 samples x 137 settings = 329K requests at the defaults; prefix caching makes every
@@ -81,17 +82,39 @@ run)      # device: convert (once per machine), then evaluate for at most STOP_A
     > "$STAGE/site/vllm_evict-0.1.0.dist-info/entry_points.txt"
   export PYTHONPATH=$PWD:$STAGE/site:$PYTHONPATH PYTHONUNBUFFERED=1
   python3 -m vllm_evict.cli prepare-model --gguf "$STAGE/$GGUF_NAME" --cache-dir "$MODEL_DIR"
+  # shellcheck disable=SC2206
+  args=(--model "$MODEL_DIR" --tasks ${TASKS:-passkey niah_single niah_multikey niah_multivalue vt cwe}
+        --lengths ${LENGTHS:-1024 2048 4096 8192} --samples "${SAMPLES:-100}"
+        --variants ${VARIANTS:-aware agnostic} --policies ${POLICIES:-core} --allocations uniform adakv
+        --budgets ${BUDGETS:-0.05 0.1 0.2 0.4 1.0} --chunk-samples "${CHUNK:-1}"
+        --out "$WORK" --name "${NAME:-ruler_gpu}" --resume)
+  [ "${PREDICTIONS:-0}" = 1 ] || args+=(--no-predictions)
+  # One engine of a 135M model is host-bound (scoring + compaction run per request and layer), so WORKERS
+  # engines share the GPU, each on every WORKERS-th sample index with its own compile caches and a fixed
+  # KV cache (no memory profiling, which concurrent engines would disturb).
+  workers=${WORKERS:-6}
+  mkdir -p "$WORK"
+  pids=()
+  for k in $(seq 0 $((workers - 1))); do
+    VLLM_CACHE_ROOT=/tmp/vllm-cache/$k TRITON_CACHE_DIR=/tmp/triton-cache/$k OMP_NUM_THREADS=2 \
+      python3 -m vllm_evict.cli eval "${args[@]}" --shard "$k/$workers" --stop-after "${STOP_AFTER:-420}" \
+      --gpu-memory-utilization 0.05 --kv-cache-memory-bytes "${KV_BYTES:-6000000000}" \
+      > "$WORK/shard$k.log" 2>&1 &
+    pids+=($!)
+  done
+  rc=0
+  for k in "${!pids[@]}"; do
+    wait "${pids[$k]}" || { r=$?; [ $r = 3 ] && rc=3 || { rc=1; echo "quality: shard $k failed (exit $r)"; }; }
+    { tr '\r' '\n' < "$WORK/shard$k.log" | grep -E "^\[eval\] .*(req/s|engine up)|Error" || true; } | tail -3 \
+      | sed "s/^/[shard $k] /"
+  done
   set +e
-  # shellcheck disable=SC2086
-  python3 -m vllm_evict.cli eval --model "$MODEL_DIR" \
-    --tasks ${TASKS:-passkey niah_single niah_multikey niah_multivalue vt cwe} \
-    --lengths ${LENGTHS:-1024 2048 4096 8192} --samples "${SAMPLES:-100}" \
-    --variants ${VARIANTS:-aware agnostic} --policies ${POLICIES:-core} --allocations uniform adakv \
-    --budgets ${BUDGETS:-0.05 0.1 0.2 0.4 1.0} --chunk-samples "${CHUNK:-10}" \
-    --out "$WORK" --name "${NAME:-ruler_gpu}" --resume --stop-after "${STOP_AFTER:-480}" \
-    $([ "${PREDICTIONS:-0}" = 1 ] || echo --no-predictions)
-  rc=$?
+  python3 -m vllm_evict.cli eval "${args[@]}" --report-only > "$WORK/merge.log" 2>&1
+  merge_rc=$?
   set -e
+  tail -5 "$WORK/merge.log"
+  [ $merge_rc = 0 ] || [ $merge_rc = 3 ] || rc=1
+  [ $rc != 0 ] || [ $merge_rc != 3 ] || rc=3
   if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT/quality" && cp -f "$WORK"/* "$OUT/quality/"
   fi

@@ -107,6 +107,7 @@ class EvalConfig:
     plot: bool = True
     stop_after: float | None = None           # seconds: start no new generate call after this (then --resume)
     report_only: bool = False                 # rebuild the tables from <name>_requests.jsonl.gz, no engine
+    shard: tuple[int, int] | None = None      # (k, n): run only sample indices i % n == k (parallel engines)
 
     def validate(self) -> None:
         bad = [t for t in self.tasks if t not in TASKS]
@@ -127,6 +128,12 @@ class EvalConfig:
             raise ValueError(f"budgets must be keep ratios in (0, 1], got {bad}")
         if self.samples < 1 or not self.lengths or not self.tasks or not self.variants:
             raise ValueError("need at least one sample, length, task and variant")
+        if self.shard is not None:
+            k, n = self.shard
+            if not 0 <= k < n:
+                raise ValueError(f"shard must be k/n with 0 <= k < n, got {k}/{n}")
+            if self.report_only:
+                raise ValueError("--report-only merges all shards: do not combine it with --shard")
 
     def command(self) -> str:
         """The exact `vllm-evict eval` command line that reproduces this run."""
@@ -155,6 +162,8 @@ class EvalConfig:
             args.append("--no-predictions")
         if not self.plot:
             args.append("--no-plot")
+        if self.shard is not None:
+            args += ["--shard", "/".join(map(str, self.shard))]
         return shlex.join(args)
 
 
@@ -381,12 +390,12 @@ def _fingerprint(sample: Sample) -> str:
     return hashlib.sha1(json.dumps([sample.uid, sample.prompt_ids, sample.answers]).encode()).hexdigest()[:16]
 
 
-def _chunks(samples: Sequence[Sample], size: int) -> list[list[Sample]]:
+def _chunks(samples: Sequence[Sample], size: int, stride: int = 1) -> list[list[Sample]]:
     """Samples per generate call.
 
-    ``size`` 0: one call per (task, length). ``size`` k > 0: sample indices [0, k), [k, 2k), ... of EVERY
-    task and length per call, so a run stopped early (``stop_after``) still has every cell, with fewer
-    samples.
+    ``size`` 0: one call per (task, length). ``size`` k > 0: k sample indices of EVERY task and length per
+    call ([0, k), [k, 2k), ...; a shard that holds every ``stride``-th index takes k of its own), so a run
+    stopped early (``stop_after``) still has every cell, with fewer samples.
     """
     if size <= 0:
         groups: dict[tuple[str, int], list[Sample]] = {}
@@ -395,7 +404,7 @@ def _chunks(samples: Sequence[Sample], size: int) -> list[list[Sample]]:
         return list(groups.values())
     blocks: dict[int, list[Sample]] = {}
     for s in samples:
-        blocks.setdefault(s.index // size, []).append(s)
+        blocks.setdefault(s.index // (size * stride), []).append(s)
     return [blocks[k] for k in sorted(blocks)]
 
 
@@ -407,18 +416,76 @@ def _where(chunk: Sequence[Sample]) -> str:
     return f"{what}@{','.join(map(str, lengths))}#{idx[0]}-{idx[-1]}"
 
 
-def _load_done(path: Path) -> dict[str, list[dict[str, Any]]]:
-    done: dict[str, list[dict[str, Any]]] = {}
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
     if not path.exists():
-        return done
+        return records
     with gzip.open(path, "rt") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                break  # truncated tail of an interrupted run
-            done.setdefault(rec["setting"], []).append(rec)
+        try:
+            for line in f:
+                records.append(json.loads(line))
+        except (ValueError, EOFError):
+            pass  # truncated tail of an interrupted run
+    return records
+
+
+def _load_done(*paths: Path) -> dict[str, list[dict[str, Any]]]:
+    done: dict[str, list[dict[str, Any]]] = {}
+    seen: set[tuple[str, str]] = set()
+    for path in paths:
+        for rec in _read_records(path):
+            if (rec["setting"], rec["uid"]) not in seen:
+                seen.add((rec["setting"], rec["uid"]))
+                done.setdefault(rec["setting"], []).append(rec)
     return done
+
+
+def _shard_stem(name: str, shard: tuple[int, int]) -> str:
+    return f"{name}.shard{shard[0]}of{shard[1]}"
+
+
+def _requests_path(out_dir: Path, name: str, shard: tuple[int, int] | None) -> Path:
+    return out_dir / f"{_shard_stem(name, shard) if shard else name}_requests.jsonl.gz"
+
+
+def _merge_probes(probes: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    return {"eviction_active": all(p["eviction_active"] for p in probes),
+            "evict_at_supported": all(p["evict_at_supported"] for p in probes),
+            "messages": list(dict.fromkeys(m for p in probes for m in p["messages"]))}
+
+
+def merge_shards(out_dir: Path, name: str, log) -> int:
+    """Fold the files of shard runs (``--shard k/n``) into ``<name>_requests.jsonl.gz`` / ``<name>.json``
+    and delete them. Shards ran in parallel: their wall time counts once (the longest). Returns the
+    number of records added."""
+    metas = sorted(out_dir.glob(f"{name}.shard*of*.json"))
+    shard_reqs = sorted(out_dir.glob(f"{name}.shard*of*_requests.jsonl.gz"))
+    if not metas and not shard_reqs:
+        return 0
+    main = _requests_path(out_dir, name, None)
+    have = {(r["setting"], r["uid"]) for r in _read_records(main)}
+    added = 0
+    with gzip.open(main, "at") as f:
+        for path in shard_reqs:
+            for rec in _read_records(path):
+                if (rec["setting"], rec["uid"]) not in have:
+                    have.add((rec["setting"], rec["uid"]))
+                    f.write(json.dumps(rec) + "\n")
+                    added += 1
+    if metas:
+        main_json = out_dir / f"{name}.json"
+        base = json.loads(main_json.read_text()) if main_json.exists() else {}
+        shards = [json.loads(p.read_text()) for p in metas]
+        for key in ("environment", "engine_args", "model_dir", "date"):
+            base.setdefault(key, shards[0][key])
+        base["probe"] = _merge_probes(([base["probe"]] if "probe" in base else []) + [m["probe"] for m in shards])
+        base["generate_calls"] = base.get("generate_calls", []) + [c for m in shards for c in m["generate_calls"]]
+        base["wall_seconds"] = base.get("wall_seconds", 0) + max(m["wall_seconds"] for m in shards)
+        main_json.write_text(json.dumps(base, indent=1, default=str) + "\n")
+    for path in metas + shard_reqs:
+        path.unlink()
+    log(f"merged {len(shard_reqs)} shard request file(s): {added} new records")
+    return added
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -663,6 +730,23 @@ class EvalResult:
     complete: bool = True
 
 
+def _finish_shard(cfg: EvalConfig, out_dir: Path, command: str, probe: EngineProbe, engine_args: dict[str, Any],
+                  model_dir: str, timings: list[dict[str, Any]], skipped: dict[str, str], wall: float,
+                  complete: bool, log, llm: Any) -> EvalResult:
+    """A shard writes its requests and a small JSON for `merge_shards`; tables come from the merging run."""
+    meta = {"command": command, "probe": asdict(probe), "engine_args": engine_args, "model_dir": model_dir,
+            "environment": _environment(model_dir), "generate_calls": timings, "wall_seconds": round(wall, 1),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(), "skipped": skipped}
+    meta_path = out_dir / f"{_shard_stem(cfg.name, cfg.shard)}.json"
+    meta_path.write_text(json.dumps(meta, indent=1, default=str) + "\n")
+    log(f"shard {cfg.shard[0]}/{cfg.shard[1]} wrote {meta_path}; merge with the same command, "
+        f"without --shard, plus --resume or --report-only")
+    del llm
+    files = {"json": str(meta_path), "requests": str(_requests_path(out_dir, cfg.name, cfg.shard))}
+    return EvalResult(rows=[], summary=[], probe=probe, files=files, command=command, skipped=skipped,
+                      complete=complete)
+
+
 def run_eval(cfg: EvalConfig, llm: Any = None, log=None) -> EvalResult:
     """Run the evaluation described by ``cfg`` (starts one engine unless ``llm`` is given)."""
     from tqdm.auto import tqdm
@@ -689,14 +773,18 @@ def run_eval(cfg: EvalConfig, llm: Any = None, log=None) -> EvalResult:
 
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    req_path = out_dir / f"{cfg.name}_requests.jsonl.gz"
+    main_req_path = _requests_path(out_dir, cfg.name, None)
+    req_path = _requests_path(out_dir, cfg.name, cfg.shard)
+    if cfg.shard is None and (cfg.resume or cfg.report_only):
+        merge_shards(out_dir, cfg.name, _log)
     previous: dict[str, Any] = {}
     if cfg.report_only:
         if not req_path.exists():
             raise FileNotFoundError(f"--report-only needs {req_path}")
         prev_json = out_dir / f"{cfg.name}.json"
         previous = json.loads(prev_json.read_text()) if prev_json.exists() else {}
-    done = _load_done(req_path) if (cfg.resume or cfg.report_only) else {}
+    # a shard also reuses what earlier merged runs left in the main file
+    done = _load_done(*dict.fromkeys([main_req_path, req_path])) if (cfg.resume or cfg.report_only) else {}
     if not (cfg.resume or cfg.report_only) and req_path.exists():
         req_path.unlink()
     # reuse only records of the very same prompts (same task/length/index and token ids)
@@ -740,7 +828,8 @@ def run_eval(cfg: EvalConfig, llm: Any = None, log=None) -> EvalResult:
         records.setdefault(key, []).extend(recs)
     done_pairs = {(r["setting"], r["uid"]) for recs in done.values() for r in recs}
     timings: list[dict[str, Any]] = []
-    chunks = _chunks(samples, cfg.chunk_samples)
+    own = [s for s in samples if cfg.shard is None or s.index % cfg.shard[1] == cfg.shard[0]]
+    chunks = _chunks(own, cfg.chunk_samples, stride=cfg.shard[1] if cfg.shard else 1)
     total = sum(1 for chunk in chunks for s in chunk for st in active if (st.key, s.uid) not in done_pairs)
     _log(f"{total} requests to run ({len(done_pairs)} reused) in {len(chunks)} generate calls, "
          f"sample-major so that prefix caching shares each prompt across settings")
@@ -788,6 +877,9 @@ def run_eval(cfg: EvalConfig, llm: Any = None, log=None) -> EvalResult:
     for key in list(records):
         if key in skipped:
             del records[key]
+    if cfg.shard is not None:
+        return _finish_shard(cfg, out_dir, command, probe, engine_args, model_dir, timings, skipped,
+                             time.time() - t_start, complete=not stopped, log=_log, llm=llm if own_llm else None)
 
     rows, summary = aggregate(cfg, settings, records, skipped, probe)
     complete = not stopped and not any(r["status"] == "missing" or r["status"].startswith("incomplete")

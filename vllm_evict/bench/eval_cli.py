@@ -23,6 +23,14 @@ def _policies(values: list[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def _shard(value: str) -> tuple[int, int]:
+    k, sep, n = value.partition("/")
+    try:
+        return int(k), int(n)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want k/n (e.g. 0/4), got {value!r}") from None
+
+
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
     return EvalConfig(
         model=args.model, tasks=list(args.tasks), lengths=list(args.lengths), samples=args.samples,
@@ -34,7 +42,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         enable_prefix_caching=not args.no_prefix_caching, chunk_samples=args.chunk_samples,
         enforce_eager=args.enforce_eager,
         save_predictions=not args.no_predictions, resume=args.resume, plot=not args.no_plot,
-        stop_after=args.stop_after, report_only=args.report_only,
+        stop_after=args.stop_after, report_only=args.report_only, shard=args.shard,
     )
 
 
@@ -99,5 +107,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--report-only", action="store_true",
                    help="no engine: rebuild CSV/JSON/Markdown/PNG from <out>/<name>_requests.jsonl.gz "
                         "(keeps the original run's environment, probe and timings)")
+    p.add_argument("--shard", type=_shard, default=None, metavar="K/N",
+                   help="run only sample indices i with i %% N == K, writing <name>.shardKofN* files; start N "
+                        "such engines in parallel (a small model leaves one engine host-bound), then merge with "
+                        "the same command without --shard plus --resume or --report-only")
     p.add_argument("--no-plot", action="store_true")
     p.set_defaults(func=_cmd_eval)
