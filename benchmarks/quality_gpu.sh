@@ -80,7 +80,8 @@ run)      # device: convert (once per machine), then evaluate for at most STOP_A
   printf 'Metadata-Version: 2.1\nName: vllm-evict\nVersion: 0.1.0\n' > "$STAGE/site/vllm_evict-0.1.0.dist-info/METADATA"
   printf '[vllm.general_plugins]\nvllm_evict = vllm_evict.engine.plugin:register\n' \
     > "$STAGE/site/vllm_evict-0.1.0.dist-info/entry_points.txt"
-  export PYTHONPATH=$PWD:$STAGE/site:$PYTHONPATH PYTHONUNBUFFERED=1
+  # spawn: the runner touches CUDA before vLLM starts its engine-core process
+  export PYTHONPATH=$PWD:$STAGE/site:$PYTHONPATH PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
   python3 -m vllm_evict.cli prepare-model --gguf "$STAGE/$GGUF_NAME" --cache-dir "$MODEL_DIR"
   # shellcheck disable=SC2206
   args=(--model "$MODEL_DIR" --tasks ${TASKS:-passkey niah_single niah_multikey niah_multivalue vt cwe}

@@ -30,6 +30,7 @@ import os
 import platform
 import shlex
 import sys
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -567,6 +568,15 @@ def aggregate(
     return rows, summary
 
 
+def _samples_text(cfg: EvalConfig, rows: Sequence[dict[str, Any]]) -> str:
+    """Samples per cell as achieved: a run stopped early says so in every title."""
+    ns = [r["n"] for r in rows if not r["status"].startswith("skipped")]
+    if not ns or min(ns) == max(ns) == cfg.samples:
+        return f"n={cfg.samples}/cell"
+    low, high = min(ns), max(ns)
+    return f"n={low}/cell of {cfg.samples} planned" if low == high else f"n={low}-{high}/cell of {cfg.samples} planned"
+
+
 def _summary_status(rows: Sequence[dict[str, Any]]) -> str:
     statuses = sorted({r["status"] for r in rows})
     return statuses[0] if len(statuses) == 1 else "; ".join(statuses)
@@ -653,7 +663,8 @@ def plot(cfg: EvalConfig, summary: Sequence[dict[str, Any]], path: Path, title: 
             rows = [r for r in summary if r["variant"] == variant and r["allocation"] == allocation]
             skipped = sorted({r["status"] for r in rows if r["status"].startswith("skipped")})
             for policy in cfg.policies:
-                pts = sorted((float(r["budget"]), r["accuracy"], r["status"] == "ok") for r in rows
+                # flag eviction failures only (no-eviction / partial-eviction), not a smaller n
+                pts = sorted((float(r["budget"]), r["accuracy"], "eviction" not in r["status"]) for r in rows
                              if r["policy"] == policy and not math.isnan(r["accuracy"]))
                 if full is not None and pts and not math.isnan(full["accuracy"]):
                     pts.append((1.0, full["accuracy"], True))
@@ -688,7 +699,7 @@ def plot(cfg: EvalConfig, summary: Sequence[dict[str, Any]], path: Path, title: 
     fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8)
     if flagged:
         title += "\nx = some requests of that point did not evict (status column of the tables)"
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle("\n".join(textwrap.fill(line, 110) for line in title.split("\n")), fontsize=10)
     fig.tight_layout(rect=(0, 0.06 + 0.03 * (len(labels) > 6), 1, 0.95))
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -893,7 +904,7 @@ def run_eval(cfg: EvalConfig, llm: Any = None, log=None) -> EvalResult:
     _write_csv(Path(files["summary_csv"]), summary)
     env = previous.get("environment") or _environment(model_dir)
     title = (f"SmolLM2-135M-Instruct, RULER-style {','.join(cfg.tasks)} at {','.join(map(str, cfg.lengths))} "
-             f"tokens, n={cfg.samples}/cell, {env.get('device')}")
+             f"tokens, {_samples_text(cfg, rows)}, {env.get('device')}")
     tables = markdown_tables(cfg, summary)
     Path(files["markdown"]).write_text(
         f"# {cfg.name}\n\n{title}\n\nCommand: `{command}`\n\n"
