@@ -11,26 +11,31 @@
 # Here (repo root, needs PyPI; once):
 #     bash ../shared/gpu/build_vllm_bundle.sh              # -> .vllm-gpu/part1..N
 #     bash benchmarks/quality_gpu.sh prepare              # -> .quality-gpu/part1, part2
-# Device calls, back to back (a machine stays warm only ~30 s between calls; a cold one needs all parts again):
+# Device calls, back to back (a machine goes back after ~30 s idle and after 30 minutes held; a fresh one
+# needs all parts again, and the files of an unfinished run stay on the old one):
 #     run(carry=[".vllm-gpu/partK"], command="bash .vllm-gpu/partK/stage.sh")            # K = 1..N
 #     run(carry=[".quality-gpu/part1"], command="bash benchmarks/quality_gpu.sh stage .quality-gpu/part1")
-#     run(carry=[".quality-gpu/part2"], command="bash benchmarks/quality_gpu.sh stage .quality-gpu/part2 && bash benchmarks/quality_gpu.sh run")
+#     run(carry=[".quality-gpu/part2"], command="bash benchmarks/quality_gpu.sh stage .quality-gpu/part2; bash benchmarks/quality_gpu.sh run")
 #     run(command="bash benchmarks/quality_gpu.sh run")   # repeat until it prints "quality: complete"
-# Each `run` works for at most STOP_AFTER seconds (default 480, under the 10-minute command limit), then
-# writes the (partial) tables to $OUT/quality/; the next `run` resumes from /tmp/quality on the same warm
-# machine. Samples are processed in blocks of CHUNK indices across every task and length, so a run that
-# stops early still fills every cell, with fewer samples (status "incomplete (k/N)" in the tables).
+# Each `run` starts WORKERS engines (`vllm-evict eval --shard k/WORKERS`), each of which starts no new
+# generate call after STOP_AFTER seconds; then one `--report-only` run merges the shards and writes the
+# (partial) tables to $OUT/quality/. The next `run` resumes from /tmp/quality on the same warm machine; to
+# go on on a fresh machine, copy a returned ruler_gpu_requests.jsonl.gz into /tmp/quality/ first.
+# A call takes about STOP_AFTER + 150 s (engine start inside STOP_AFTER; one block of ~100 s and the
+# merge after it): keep STOP_AFTER <= 435 under the 600-s command limit.
+# Each generate call of a shard holds CHUNK sample indices of every task and length, so a run that stops
+# early still fills every cell, with fewer samples (status "incomplete (k/N)" in the tables).
 # Copy $OUT/quality/* into docs/quality/ and commit ruler_gpu.{csv,json,md,png,_summary.csv}.
 #
-# Knobs (environment): WORKERS (6 engines sharing the GPU, `--shard k/WORKERS`; KV_BYTES of KV cache each),
+# Knobs (environment): WORKERS (6 engines sharing the GPU; KV_BYTES of KV cache each, default 6e9),
 # SAMPLES (100 per task x length), LENGTHS ("1024 2048 4096 8192"), TASKS (all),
 # POLICIES ("core": the 9 SPEC policies; "all" adds tova h2o knorm), BUDGETS ("0.05 0.1 0.2 0.4 1.0"),
-# VARIANTS ("aware agnostic"), CHUNK (1 sample index per shard and call), STOP_AFTER (420), NAME (ruler_gpu), PREDICTIONS (0: the
+# VARIANTS ("aware agnostic"), CHUNK (1), STOP_AFTER (420), NAME (ruler_gpu), PREDICTIONS (0: the
 # per-request log omits generated texts so that ruler_gpu_requests.jsonl.gz stays under the 16 MiB a file
 # that can come back from the device; 1 keeps them).
-# Cost: about 2400 samples x 137 settings = 329K requests at the defaults; prefix caching makes every
-# setting after the first re-prefill only the last window (+ question) of a prompt. The first `run`
-# prints req/s per block: lower SAMPLES if the whole grid does not fit the session's device time.
+# Cost (H100, 2026-11-22, docs/QUALITY.md): an engine completes ~2.8 requests/s of this grid at 4K, and 8
+# engines ~22/s together (the GPU then reads 99 % busy). The defaults are about 2400 samples x 137 settings
+# = 329K requests, over 4 hours: narrow TASKS / LENGTHS / VARIANTS to what one session's device time holds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=/tmp/qgpu
