@@ -461,10 +461,11 @@ def test_client_disconnect_non_streaming_aborts(server, http):
     # A raw socket: send the request, read nothing, hang up after 1.5 s (3500 tokens take far longer).
     # The server must notice the hang-up, not a client-side timeout whose semantics vary.
     payload = json.dumps(body).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\nAuthorization: Bearer {server.api_key}\r\n\r\n").encode()
-    with socket.create_connection((server.url.split("//")[1].split(":")[0], int(server.url.rsplit(":", 1)[1]))) as sock:
-        sock.sendall(head + payload)
+    headers = {"Host": "127.0.0.1", "Content-Type": "application/json", "Content-Length": str(len(payload)),
+               **server.headers()}
+    head = "POST /v1/completions HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(head.encode() + payload)
         time.sleep(1.5)
     assert wait_for_metric(http, "vllm_evict:num_requests_running", lambda v: v == 0) == 0
     after = scrape(http)
