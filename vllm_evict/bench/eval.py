@@ -577,6 +577,11 @@ def _samples_text(cfg: EvalConfig, rows: Sequence[dict[str, Any]]) -> str:
     return f"n={low}/cell of {cfg.samples} planned" if low == high else f"n={low}-{high}/cell of {cfg.samples} planned"
 
 
+def _eviction_failed(status: str) -> bool:
+    """A cell (or summary) status with requests that did not evict; a smaller n is not a failure."""
+    return "no-eviction" in status or "partial-eviction" in status
+
+
 def _summary_status(rows: Sequence[dict[str, Any]]) -> str:
     statuses = sorted({r["status"] for r in rows})
     return statuses[0] if len(statuses) == 1 else "; ".join(statuses)
@@ -663,8 +668,7 @@ def plot(cfg: EvalConfig, summary: Sequence[dict[str, Any]], path: Path, title: 
             rows = [r for r in summary if r["variant"] == variant and r["allocation"] == allocation]
             skipped = sorted({r["status"] for r in rows if r["status"].startswith("skipped")})
             for policy in cfg.policies:
-                # flag eviction failures only (no-eviction / partial-eviction), not a smaller n
-                pts = sorted((float(r["budget"]), r["accuracy"], "eviction" not in r["status"]) for r in rows
+                pts = sorted((float(r["budget"]), r["accuracy"], not _eviction_failed(r["status"])) for r in rows
                              if r["policy"] == policy and not math.isnan(r["accuracy"]))
                 if full is not None and pts and not math.isnan(full["accuracy"]):
                     pts.append((1.0, full["accuracy"], True))
@@ -743,16 +747,16 @@ class EvalResult:
 
 def _finish_shard(cfg: EvalConfig, out_dir: Path, command: str, probe: EngineProbe, engine_args: dict[str, Any],
                   model_dir: str, timings: list[dict[str, Any]], skipped: dict[str, str], wall: float,
-                  complete: bool, log, llm: Any) -> EvalResult:
-    """A shard writes its requests and a small JSON for `merge_shards`; tables come from the merging run."""
-    meta = {"command": command, "probe": asdict(probe), "engine_args": engine_args, "model_dir": model_dir,
+                  complete: bool, log) -> EvalResult:
+    """A shard writes its requests and the fields of `<name>.json` that `merge_shards` folds in; tables come
+    from the merging run."""
+    meta = {"probe": asdict(probe), "engine_args": engine_args, "model_dir": model_dir,
             "environment": _environment(model_dir), "generate_calls": timings, "wall_seconds": round(wall, 1),
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(), "skipped": skipped}
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat()}
     meta_path = out_dir / f"{_shard_stem(cfg.name, cfg.shard)}.json"
     meta_path.write_text(json.dumps(meta, indent=1, default=str) + "\n")
     log(f"shard {cfg.shard[0]}/{cfg.shard[1]} wrote {meta_path}; merge with the same command, "
         f"without --shard, plus --resume or --report-only")
-    del llm
     files = {"json": str(meta_path), "requests": str(_requests_path(out_dir, cfg.name, cfg.shard))}
     return EvalResult(rows=[], summary=[], probe=probe, files=files, command=command, skipped=skipped,
                       complete=complete)
@@ -890,7 +894,7 @@ def run_eval(cfg: EvalConfig, llm: Any = None, log=None) -> EvalResult:
             del records[key]
     if cfg.shard is not None:
         return _finish_shard(cfg, out_dir, command, probe, engine_args, model_dir, timings, skipped,
-                             time.time() - t_start, complete=not stopped, log=_log, llm=llm if own_llm else None)
+                             time.time() - t_start, complete=not stopped, log=_log)
 
     rows, summary = aggregate(cfg, settings, records, skipped, probe)
     complete = not stopped and not any(r["status"] == "missing" or r["status"].startswith("incomplete")

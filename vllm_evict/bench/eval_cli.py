@@ -24,8 +24,8 @@ def _policies(values: list[str]) -> list[str]:
 
 
 def _shard(value: str) -> tuple[int, int]:
-    k, sep, n = value.partition("/")
     try:
+        k, n = value.split("/")
         return int(k), int(n)
     except ValueError:
         raise argparse.ArgumentTypeError(f"want k/n (e.g. 0/4), got {value!r}") from None
@@ -109,7 +109,7 @@ def register(subparsers: Any) -> None:
                         "(keeps the original run's environment, probe and timings)")
     p.add_argument("--shard", type=_shard, default=None, metavar="K/N",
                    help="run only sample indices i with i %% N == K, writing <name>.shardKofN* files; start N "
-                        "such engines in parallel (a small model leaves one engine host-bound), then merge with "
+                        "such engines in parallel on one GPU, then merge with "
                         "the same command without --shard plus --resume or --report-only")
     p.add_argument("--no-plot", action="store_true")
     p.set_defaults(func=_cmd_eval)
