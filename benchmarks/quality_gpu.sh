@@ -33,9 +33,9 @@
 # VARIANTS ("aware agnostic"), CHUNK (1), STOP_AFTER (420), NAME (ruler_gpu), PREDICTIONS (0: the
 # per-request log omits generated texts so that ruler_gpu_requests.jsonl.gz stays under the 16 MiB a file
 # that can come back from the device; 1 keeps them).
-# Cost (H100, 2026-11-22, docs/QUALITY.md): an engine completes ~2.8 requests/s of this grid at 4K, and 8
-# engines ~22/s together (the GPU then reads 99 % busy). The defaults are about 2400 samples x 137 settings
-# = 329K requests, over 4 hours: narrow TASKS / LENGTHS / VARIANTS to what one session's device time holds.
+# Cost: the defaults are about 2400 samples x 137 settings = 329K requests. On the H100 (2026-11-22,
+# docs/QUALITY.md) 8 engines completed about 22 requests/s of a 4K grid, and one session's 30
+# device-minutes held 33K requests: narrow TASKS / LENGTHS / VARIANTS to fit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=/tmp/qgpu
@@ -95,9 +95,9 @@ run)      # device: convert (once per machine), then evaluate for at most STOP_A
         --budgets ${BUDGETS:-0.05 0.1 0.2 0.4 1.0} --chunk-samples "${CHUNK:-1}"
         --out "$WORK" --name "${NAME:-ruler_gpu}" --resume)
   [ "${PREDICTIONS:-0}" = 1 ] || args+=(--no-predictions)
-  # One engine of a 135M model is host-bound (scoring + compaction run per request and layer), so WORKERS
-  # engines share the GPU, each on every WORKERS-th sample index with its own compile caches and a fixed
-  # KV cache (no memory profiling, which concurrent engines would disturb).
+  # WORKERS engines share the GPU to run more requests at once (docs/QUALITY.md has the rates measured),
+  # each on every WORKERS-th sample index with its own compile caches and a fixed KV cache (no memory
+  # profiling, which concurrent engines would disturb).
   workers=${WORKERS:-6}
   mkdir -p "$WORK"
   pids=()
