@@ -8,7 +8,7 @@ import torch
 
 ops = pytest.importorskip("vllm._custom_ops")
 
-from vllm_evict.engine.compaction import LayerCompaction, assign_head_pages, compaction_slots  # noqa: E402
+from vllm_evict.engine.compaction import compaction_slots  # noqa: E402
 from vllm_evict.engine.cpu_backend import CpuPagedCache  # noqa: E402
 from vllm_evict.engine import per_head  # noqa: E402
 from vllm_evict.engine.worker import StepPlan, WorkerEviction  # noqa: E402
@@ -41,12 +41,29 @@ def test_gather_prefix_roundtrip():
     assert torch.equal(k2, keys) and torch.equal(v2, values)
 
 
-def test_assign_head_pages_partition():
-    pages = assign_head_pages([5, 1, 3, 3], [10, 11, 12], 4)
-    flat = sorted(p for head in pages for p in head)
-    assert flat == sorted(b * 4 + h for b in (10, 11, 12) for h in range(4))
-    assert [len(p) for p in pages] == [5, 1, 3, 3]
-    assert pages[1] == [10 * 4 + 1]
+def test_compaction_slots_flat_layout():
+    """Head h's kept tokens fill flat slots start_h.. in ascending position order (flat slot s = slot
+    s // P of fresh block s % P); evicted tokens get -1; uniform counts give vLLM's own layout."""
+    torch.manual_seed(0)
+    fresh = [10, 11, 12]
+    for counts in ([5, 1, 3, 3], [3, 3, 3, 3]):
+        heads, E = len(counts), 100
+        keep = torch.zeros(heads, E, dtype=torch.bool)
+        for h, c in enumerate(counts):
+            keep[h, torch.randperm(E)[: c * N - (h % 2)]] = True   # a partly filled last page too
+        layout, slots = compaction_slots(keep, torch.tensor(counts), torch.tensor(fresh), N)
+        assert layout.kept.tolist() == keep.sum(1).tolist()
+        start = 0
+        for h, c in enumerate(counts):
+            kept_positions = keep[h].nonzero().flatten().tolist()
+            for v, t in enumerate(kept_positions):
+                s = start + v // N
+                page = fresh[s % len(fresh)] * heads + s // len(fresh)
+                assert int(slots[t, h]) == page * N + v % N
+                if counts == [3] * 4:  # uniform: slot h of every fresh block, in block order
+                    assert page == fresh[v // N] * heads + h
+            assert (slots[~keep[h], h] == -1).all()
+            start += c
 
 
 def explicit_attention(q, keys, values, scale):
@@ -68,23 +85,28 @@ def test_compact_then_decode_matches_explicit(allocation):
     keep = torch.zeros(H, E, dtype=torch.bool)
     for h in range(H):
         keep[h, torch.randperm(E)[: int(counts[h]) * N]] = True
-    layout, token_idx, head_idx, slots = compaction_slots(keep, counts, fresh, N)
-    cache.write_pages(keys[token_idx, head_idx], values[token_idx, head_idx], slots)
+    layout, slots = compaction_slots(keep, counts, torch.tensor(fresh), N)
+    cache.write_pages(keys.reshape(E * H, D), values.reshape(E * H, D), slots.reshape(-1))
 
-    config = EvictionConfig.from_dict({"policy": "keydiff", "budget": 32})
-    state = WorkerEviction(req_id="r", spec=RequestEviction(config), evict_at=E, pages=P, window=0, compacted=True)
+    config = EvictionConfig.from_dict({"policy": "keydiff", "budget": 32, "allocation": allocation})
+    state = WorkerEviction(req_id="r", spec=RequestEviction(config), evict_at=E, pages=P, window=0, page_size=N,
+                           compacted=True)
     state.layers[0] = layout
     # one decode step at position E+3 after 3 tail tokens; tail block 40
     tail_block = 40
     m = 4
     new_k, new_v = torch.randn(m, H, D), torch.randn(m, H, D)
     block_row = torch.tensor([[30, 31, tail_block, 0]], dtype=torch.int32)
-    seq_lens = torch.tensor([E + m], dtype=torch.int32)
-    plan = StepPlan(num_reqs=1, states=[state], captures=[], compacting=[], compacted_rows=[0], page_size=N, max_blocks=4,
-                    row_blocks=[3], compacted_tokens=list(range(m)))
+    seq_lens = torch.tensor([E + m - state.shift], dtype=torch.int32)  # the worker's shifted length
+    # The per-head path on this row (the engine takes it for Ada-KV rows; uniform ones must agree with it).
+    plan = StepPlan(num_reqs=1, states=[state], captures=[], compacting=[], compacted_rows=[0], per_head_rows=[0],
+                    per_head_tokens=list(range(m)), page_size=N, max_blocks=4, row_blocks=[3])
     qsl = torch.tensor([0, m], dtype=torch.int32)  # m-token chunk (causal) after compaction
     tables = per_head.virtual_tables(plan, 0, block_row, seq_lens, qsl, m, H)
     slots_new = tables.slots
+    if allocation == "uniform":  # the stock layout: identity tables, no per-head shift
+        assert tables.pages[:, 0, :3].tolist() == [[b * H + h for b in (30, 31, tail_block)] for h in range(H)]
+        assert tables.shift.eq(0).all()
     cache.write_tokens(new_k, new_v, slots_new)
 
     q = torch.randn(m, H * G, D)

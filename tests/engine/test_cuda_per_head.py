@@ -45,21 +45,22 @@ def test_compacted_and_plain_rows_match_explicit(allocation):
     keep = torch.zeros(H, E, dtype=torch.bool, device=dev)
     for h in range(H):
         keep[h, torch.randperm(E, device=dev)[: int(counts[h]) * N]] = True
-    layout, token_idx, head_idx, slots = compaction_slots(keep, counts.to(dev), fresh, N)
-    cache.write_pages(keys[token_idx, head_idx], values[token_idx, head_idx], slots)
+    layout, slots = compaction_slots(keep, counts.to(dev), torch.tensor(fresh, device=dev), N)
+    cache.write_pages(gk.reshape(E * H, D), gv.reshape(E * H, D), slots.reshape(-1))
     plain_blocks = torch.tensor([60, 61, 62], device=dev, dtype=torch.int32)
     plain_k, plain_v = torch.randn(L1, H, D, device=dev, dtype=dt), torch.randn(L1, H, D, device=dev, dtype=dt)
     write_standard(plain_k[: L1 - m1], plain_v[: L1 - m1], plain_blocks)
 
     config = EvictionConfig.from_dict({"policy": "keydiff", "budget": 64})
-    state = WorkerEviction(req_id="r", spec=RequestEviction(config), evict_at=E, pages=P, window=0, compacted=True)
+    state = WorkerEviction(req_id="r", spec=RequestEviction(config), evict_at=E, pages=P, window=0, page_size=N,
+                           compacted=True)
     state.layers[0] = layout
     block_table = torch.tensor([fresh + tail, plain_blocks.tolist() + [0, 0]], device=dev, dtype=torch.int32)
-    seq_lens = torch.tensor([E + m0, L1], device=dev, dtype=torch.int32)
+    seq_lens = torch.tensor([E + m0 - state.shift, L1], device=dev, dtype=torch.int32)  # worker-shifted
     qsl = torch.tensor([0, m0, m0 + m1], device=dev, dtype=torch.int32)
     n = m0 + m1
-    plan = StepPlan(num_reqs=2, states=[state, None], captures=[], compacting=[], compacted_rows=[0], page_size=N,
-                    max_blocks=5, row_blocks=[5, 3], compacted_tokens=list(range(m0)))
+    plan = StepPlan(num_reqs=2, states=[state, None], captures=[], compacting=[], compacted_rows=[0],
+                    per_head_rows=[0], per_head_tokens=list(range(m0)), page_size=N, max_blocks=5, row_blocks=[5, 3])
     tables = per_head.virtual_tables(plan, 0, block_table, seq_lens, qsl, n, H)
     new_k = torch.cat([torch.randn(m0, H, D, device=dev, dtype=dt), plain_k[L1 - m1:]])
     new_v = torch.cat([torch.randn(m0, H, D, device=dev, dtype=dt), plain_v[L1 - m1:]])

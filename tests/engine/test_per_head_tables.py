@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_evict.engine import per_head
-from vllm_evict.engine.compaction import LayerCompaction, assign_head_pages
+from vllm_evict.engine.compaction import LayerCompaction
 from vllm_evict.engine.request_config import RequestEviction
 from vllm_evict.engine.worker import StepPlan, WorkerEviction
 from vllm_evict.policies import EvictionConfig
@@ -16,31 +16,28 @@ from vllm_evict.policies import EvictionConfig
 N, H, L = 4, 3, 3  # page size, KV heads, layers
 
 
-def compacted_state(rng, evict_at, num_fresh, fresh_first):
-    fresh = list(range(fresh_first, fresh_first + num_fresh))
-    config = EvictionConfig.from_dict({"policy": "keydiff", "budget": 8})
+def compacted_state(rng, evict_at, num_fresh):
+    config = EvictionConfig.from_dict({"policy": "keydiff", "budget": 8, "allocation": "adakv"})
     state = WorkerEviction(req_id="r", spec=RequestEviction(config), evict_at=evict_at, pages=num_fresh, window=0,
-                           compacted=True)
+                           page_size=N, compacted=True)
     for layer in range(L):
         # uneven pages per head (at least one each), P*H in all
         counts = 1 + torch.bincount(torch.randint(0, H, (num_fresh * H - H,), generator=rng), minlength=H)
-        pages = assign_head_pages(counts.tolist(), fresh, H)
-        width = max(len(p) for p in pages)
         kept = torch.minimum(counts * N, torch.tensor(evict_at))
-        state.layers[layer] = LayerCompaction(
-            pages=torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int32),
-            page_counts=counts.to(torch.int64), kept=kept.to(torch.int64))
+        state.layers[layer] = LayerCompaction(page_counts=counts.to(torch.int64), kept=kept.to(torch.int64))
     return state
 
 
 def expected_pages(state, row_blocks, layer, head):
-    """The page list of virtual sequence (layer, head) and its shift, built one entry at a time."""
+    """The page list of virtual sequence (layer, head) and its shift against the worker-shifted
+    positions, built one entry at a time from the flat-slot rule (compaction.py)."""
     if state is None:
         return [b * H + head for b in row_blocks], 0
-    layout = state.layers[layer]
-    kept_pages = layout.pages[head, : int(layout.page_counts[head])].tolist()
-    tail = [b * H + head for b in row_blocks[state.pages:]]
-    return kept_pages + tail, state.evict_at - int(layout.kept[head])
+    layout, P = state.layers[layer], state.pages
+    start = int(layout.page_counts[:head].sum())
+    kept_pages = [row_blocks[s % P] * H + s // P for s in range(start, start + int(layout.page_counts[head]))]
+    tail = [b * H + head for b in row_blocks[P:]]
+    return kept_pages + tail, P * N - int(layout.kept[head])
 
 
 def check_step(states, rows, seq_lens, chunk, cache):
@@ -52,8 +49,10 @@ def check_step(states, rows, seq_lens, chunk, cache):
     compacted_rows = [r for r, st in enumerate(states) if st is not None]
     tokens = [starts[r] + t for r in compacted_rows for t in range(chunk[r])]
     plan = StepPlan(num_reqs=len(rows), states=states, captures=[], compacting=[], compacted_rows=compacted_rows,
-                    page_size=N, max_blocks=max(len(r) for r in rows), row_blocks=[len(r) for r in rows],
-                    compacted_tokens=tokens, cache=cache)
+                    per_head_rows=compacted_rows, per_head_tokens=tokens, page_size=N,
+                    max_blocks=max(len(r) for r in rows), row_blocks=[len(r) for r in rows], cache=cache)
+    # the worker hands attention the compacted rows' lengths shifted by E - P*N
+    seq_lens = seq_lens - torch.tensor([0 if st is None else st.shift for st in states], dtype=seq_lens.dtype)
     n = sum(chunk)
     for layer in range(L):
         tables = per_head.virtual_tables(plan, layer, block_table, seq_lens, qsl, n, H)
@@ -81,8 +80,8 @@ def test_virtual_tables_match_per_sequence_loop(seed):
     # row 0: plain request prefilling 5 tokens at positions 7..11 (3 blocks)
     # row 1: compacted (E=20, P=2), decoding one token at position 26 (2 fresh + 2 tail blocks)
     # row 2: compacted (E=13, P=3), continuing with a 6-token chunk at positions 13..18 (3 fresh + 2 tail)
-    s1 = compacted_state(rng, 20, 2, 40)
-    s2 = compacted_state(rng, 13, 3, 50)
+    s1 = compacted_state(rng, 20, 2)
+    s2 = compacted_state(rng, 13, 3)
     rows = [[1, 2, 3], [40, 41, 60, 61], [50, 51, 52, 70, 71]]
     check_step([None, s1, s2], rows, torch.tensor([12, 27, 19]), [5, 1, 6], {})
 
@@ -90,7 +89,7 @@ def test_virtual_tables_match_per_sequence_loop(seed):
 def test_row_stack_cache_follows_the_batch():
     """Steps share the cross-step cache: same rows reuse it, a reordered or new request rebuilds it."""
     rng = torch.Generator().manual_seed(7)
-    s1, s2 = compacted_state(rng, 20, 2, 40), compacted_state(rng, 13, 3, 50)
+    s1, s2 = compacted_state(rng, 20, 2), compacted_state(rng, 13, 3)
     cache = {}
     rows = [[1, 2, 3], [40, 41, 60, 61], [50, 51, 52, 70, 71]]
     check_step([None, s1, s2], rows, torch.tensor([12, 27, 19]), [5, 1, 6], cache)
@@ -102,5 +101,5 @@ def test_row_stack_cache_follows_the_batch():
     # the batch reorders (row 1 <-> row 2), then a new eviction replaces s1 in the same row
     check_step([None, s2, s1], [rows[0], rows[2], rows[1]], torch.tensor([13, 20, 28]), [1, 1, 1], cache)
     assert cache["stacked_rows"] is not held
-    s3 = compacted_state(rng, 20, 2, 40)
+    s3 = compacted_state(rng, 20, 2)
     check_step([None, s2, s3], [rows[0], rows[2], rows[1]], torch.tensor([13, 20, 28]), [1, 1, 1], cache)

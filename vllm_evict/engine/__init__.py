@@ -22,8 +22,6 @@ def engine_kwargs(**user_kwargs: Any) -> dict[str, Any]:
     async_default = torch.cuda.is_available() and kwargs.get("async_scheduling", True) is not False
     if torch.cuda.is_available():
         kwargs.setdefault("attention_backend", "FLASH_ATTN")
-        # Attention runs eagerly between captured pieces: the per-head tables change every step.
-        kwargs.setdefault("compilation_config", {"cudagraph_mode": "PIECEWISE"})
     kwargs.setdefault("scheduler_cls", "vllm_evict.engine.scheduler."
                       + ("AsyncEvictionScheduler" if async_default else "EvictionScheduler"))
     return kwargs

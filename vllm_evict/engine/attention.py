@@ -2,8 +2,9 @@
 
 Stock behaviour unless the step's plan says otherwise:
 - window capture: copy the query rows of the last w prompt positions of evicting requests;
-- per-head path (batch holds compacted requests): every request row becomes H_kv virtual sequences
-  with their own page tables (see per_head.py) - KV write and attention both go through it;
+- per-head path (batch holds Ada-KV-compacted requests): every request row becomes H_kv virtual
+  sequences with their own page tables (see per_head.py) - KV write and attention both go through it;
+  uniformly compacted requests need nothing here (the worker shifted their lengths and slots);
 - compaction: after this layer's attention, score and compact the requests whose chunk ended at
   their eviction point (compaction.py).
 Subclasses provide the cache adapter and the two kernel calls.
@@ -12,7 +13,6 @@ Subclasses provide the cache adapter and the two kernel calls.
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 from vllm.model_executor.models.utils import extract_layer_index
@@ -90,18 +90,19 @@ class EvictionAttentionMixin:
         output[:n].view(n, H, g, D).copy_(out.view(H, n, g, D).transpose(0, 1))
 
     def _compact(self, layer_idx, row, query, cache, md, plan) -> None:
-        start = time.perf_counter()
         state = plan.states[row]
+        started = STATE.latency.start(query.device)
         blocks = md.block_table[row]
-        prompt_blocks = blocks[: state.prompt_blocks]
-        fresh = state.fresh_blocks  # host ids: no device sync
-        keys, values = cache.gather_prefix(prompt_blocks, state.evict_at)
+        if state.fresh_device is None:  # host ids, copied once per compaction step: no device sync
+            state.fresh_device = per_head.host_to_device(state.fresh_blocks, query.device)
+        keys, values = cache.gather_prefix(blocks[: state.prompt_blocks], state.evict_at)
         q_window = state.q_window.get(layer_idx, query.new_empty(0, *query.shape[1:]))
-        keep, page_counts = plan_compaction(state.spec.config, q_window, keys, values, self.scale, plan.page_size)
-        layout, token_idx, head_idx, slots = compaction_slots(keep, page_counts, fresh, plan.page_size)
-        cache.write_pages(keys[token_idx, head_idx], values[token_idx, head_idx], slots)
+        keep, page_counts = plan_compaction(state.spec.config, q_window, keys, values, self.scale,
+                                            plan.page_size, state.pages)
+        layout, slots = compaction_slots(keep, page_counts, state.fresh_device, plan.page_size)
+        E, H, D = keys.shape
+        cache.write_pages(keys.reshape(E * H, D), values.reshape(E * H, D), slots.reshape(-1))
         state.layers[layer_idx] = layout
-        # Host wall time; scoring's host syncs make it cover the GPU work of this layer's forward.
-        STATE.add_latency(state.req_id, (time.perf_counter() - start) * 1e3)
+        STATE.latency.stop(state.req_id, started)
         if DUMP_DIR:  # kept sets for offline comparison with a reference (GPU checks)
             torch.save(keep.cpu(), os.path.join(DUMP_DIR, f"{state.req_id}.L{layer_idx}.pt"))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
-from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionBackend,
     FlashAttentionImpl,
@@ -44,6 +43,7 @@ class CudaPagedCache:
         rows[:, self.head_dim:].index_put_((slots,), values)
 
     def write_pages(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write keys/values [M, D] to per-head slots [M] (page * N + offset; -1 = skip)."""
         reshape_and_cache_flash(keys.unsqueeze(1), values.unsqueeze(1), self.key_pages, self.value_pages,
                                 slots.to(torch.int64), self.kv_cache_dtype, self.k_scale, self.v_scale)
 
@@ -64,13 +64,9 @@ class EvictFlashAttentionImpl(EvictionAttentionMixin, FlashAttentionImpl):
 
 
 class EvictFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
-    # The per-head path builds its tables in eager code each step: decode runs with PIECEWISE graphs
-    # (everything but attention captured), never a FULL graph that would skip that code.
-    _cudagraph_support = AttentionCGSupport.NEVER
-
-    @classmethod
-    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        return AttentionCGSupport.NEVER
+    # FlashAttention's own CUDA-graph support: a FULL graph replays the stock attention, which is right
+    # for every step whose plan needs no attention call (worker.py's dispatcher hook keeps the others
+    # off FULL graphs).
 
     def use_cascade_attention(self, *args, **kwargs) -> bool:
         return False  # cascade assumes shared leading blocks; compacted requests own private ones

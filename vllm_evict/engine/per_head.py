@@ -1,13 +1,14 @@
-"""Per-(request, KV head) virtual sequences for one layer.
+"""Per-(request, KV head) virtual sequences for one layer, for batches that hold Ada-KV-compacted rows.
 
-Sequence (h, r) for head h of batch row r reads its own pages: for an uncompacted request that is its
-blocks' slot h (block * H + h, i.e. the standard layout); for a compacted one its kept pages of this
-layer followed by slot h of its tail blocks. Sequences are ordered head-major (h, r) so the query
+Sequence (h, r) for head h of batch row r reads its own pages: for a stock-layout row (not compacted, or
+compacted uniformly, whose positions the worker already shifted) that is its blocks' slot h (block * H + h,
+the standard layout); for a per-head row its kept pages of this layer (compaction.py's flat-slot layout)
+followed by slot h of its tail blocks. Sequences are ordered head-major (h, r) so the query
 reorder is one transpose: [T, H, g, D] -> [H, T, g, D].
 
 Everything is built once per step for all layers (StepTables): the identity tables, token rows and
-positions, and the compacted rows' pages, shifts and token slots of every layer as [L, ...] tensors.
-A layer then costs two in-place indexed copies (its compacted rows' pages and token slots): no
+positions, and the per-head rows' pages, shifts and token slots of every layer as [L, ...] tensors.
+A layer then costs two in-place indexed copies (its per-head rows' pages and token slots): no
 Python loop over rows, heads or layers, and no per-layer table arithmetic.
 """
 
@@ -29,22 +30,22 @@ class VirtualTables:
 
 @dataclass
 class CompactedBatch:
-    """The compacted rows of one step, all layers."""
+    """The per-head (Ada-KV) compacted rows of one step, all layers."""
 
     rows: torch.Tensor    # [Rc] batch rows
     pages: torch.Tensor   # [L, H, Rc, Wc] int32: kept pages, then slot h of the tail blocks
-    shift: torch.Tensor   # [L, H, Rc] int64 E - kept tokens
-    tokens: torch.Tensor  # [Tc] scheduled tokens of compacted rows
+    shift: torch.Tensor   # [L, H, Rc] int64 row-virtual position - head-virtual position (P*N - kept)
+    tokens: torch.Tensor  # [Tc] scheduled tokens of these rows
     slots: torch.Tensor   # [L, Tc, H] int64 their cache slots
 
 
 @dataclass
 class StepTables:
     """Everything the per-head path reads, all layers: built by the first layer of the step (the
-    per-head path runs only for batches that hold compacted rows).
+    per-head path runs only for batches that hold per-head rows).
 
     `pages` and `slots` are this step's working tables: standard layout everywhere, and each layer
-    overwrites only the compacted rows' part in place (stream order makes layer l's kernels read its
+    overwrites only the per-head rows' part in place (stream order makes layer l's kernels read its
     tables before layer l+1 overwrites them)."""
 
     pages: torch.Tensor            # [H, R, W] int32
@@ -55,30 +56,28 @@ class StepTables:
     compacted: CompactedBatch
 
 
-def stacked_layers(state, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """([L, H, Pm] pages, [L, H] counts, [L, H] shift) of a compacted request; built once."""
-    if state.stacked is None:  # indexed by layer index (layers without attention stay zero)
+def stacked_counts(state, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """([L, H] pages per head, [L, H] kept tokens) of a compacted request, indexed by layer index
+    (layers without attention stay zero); built once."""
+    if state.stacked is None:
         num_layers = max(state.layers) + 1
-        num_heads = next(iter(state.layers.values())).pages.shape[0]
-        width = max(layout.pages.shape[1] for layout in state.layers.values())
-        pages = torch.zeros(num_layers, num_heads, width, dtype=torch.int32, device=device)
+        num_heads = next(iter(state.layers.values())).page_counts.shape[0]
         counts = torch.zeros(num_layers, num_heads, dtype=torch.int64, device=device)
-        shift = torch.zeros(num_layers, num_heads, dtype=torch.int64, device=device)
+        kept = torch.zeros(num_layers, num_heads, dtype=torch.int64, device=device)
         for i, layout in state.layers.items():
-            pages[i, :, : layout.pages.shape[1]] = layout.pages.to(device)
-            counts[i] = layout.page_counts.to(device=device, dtype=torch.int64)
-            shift[i] = state.evict_at - layout.kept.to(device=device, dtype=torch.int64)
-        state.stacked = (pages, counts, shift)
+            counts[i] = layout.page_counts.to(device)
+            kept[i] = layout.kept.to(device)
+        state.stacked = (counts, kept)
     return state.stacked
 
 
 def token_slots(pages: torch.Tensor, shift: torch.Tensor, req: torch.Tensor, positions: torch.Tensor,
                 page_size: int) -> torch.Tensor:
-    """Cache slots [..., T, H] of tokens (batch row `req`, semantic `positions`) under per-head tables
+    """Cache slots [..., T, H] of tokens (batch row `req`, row-virtual `positions`) under per-head tables
     pages [..., H, R, W] and shift [..., H, R]."""
     vpos = positions - shift[..., req]                                   # [..., H, T]
     width = pages.shape[-1]  # gather from the flattened rows: no [..., H, T, W] copy for long chunks
-    # Clamped: the identity pass also visits compacted rows' tokens, whose slots are replaced per layer.
+    # Clamped: the identity pass also visits per-head rows' tokens, whose slots are replaced per layer.
     page = torch.gather(pages.flatten(-2), -1, req * width + (vpos // page_size).clamp(0, width - 1))
     return (page.to(torch.int64) * page_size + vpos % page_size).transpose(-1, -2)
 
@@ -90,46 +89,48 @@ def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
 
 
-def stacked_rows(plan, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Kept pages [L, H, Rc, Pm], counts [L, H, Rc, 1] and shift [L, H, Rc] of the compacted rows.
+def stacked_rows(plan, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages per head [L, H, Rc] and kept tokens [L, H, Rc] of the per-head rows.
 
-    Reused while the batch's compacted rows stay the same requests in the same order (steady decode)."""
-    key = tuple((r, plan.states[r].serial) for r in plan.compacted_rows)
+    Reused while the batch's per-head rows stay the same requests in the same order (steady decode)."""
+    key = tuple((r, plan.states[r].serial) for r in plan.per_head_rows)
     held = plan.cache.get("stacked_rows")
     if held is not None and held[0] == key:
         return held[1]
-    parts = [stacked_layers(plan.states[r], device) for r in plan.compacted_rows]
-    kept_width = max(p[0].shape[-1] for p in parts)
-    kept = torch.stack([F.pad(p[0], (0, kept_width - p[0].shape[-1])) for p in parts], dim=2)
-    counts = torch.stack([p[1] for p in parts], dim=2).unsqueeze(-1)
-    shift = torch.stack([p[2] for p in parts], dim=2)
-    plan.cache["stacked_rows"] = (key, (kept, counts, shift))
-    return kept, counts, shift
+    parts = [stacked_counts(plan.states[r], device) for r in plan.per_head_rows]
+    stacked = (torch.stack([p[0] for p in parts], dim=2), torch.stack([p[1] for p in parts], dim=2))
+    plan.cache["stacked_rows"] = (key, stacked)
+    return stacked
 
 
 def compacted_batch(plan, block_table: torch.Tensor, req: torch.Tensor, positions: torch.Tensor,
                     num_heads: int) -> CompactedBatch:
+    """Tables of the per-head rows (compaction.head_pages for all of them and all layers at once)."""
     device = block_table.device
-    kept, counts, shift = stacked_rows(plan, device)
-    kept_width = kept.shape[-1]
-    rows = host_to_device(plan.compacted_rows, device)
-    first = host_to_device([plan.states[r].pages for r in plan.compacted_rows], device)
-    end = host_to_device([plan.row_blocks[r] for r in plan.compacted_rows], device)
-    tail_len = max(max(plan.row_blocks[r] - plan.states[r].pages for r in plan.compacted_rows), 1)
-    col = first.unsqueeze(1) + torch.arange(tail_len, device=device).unsqueeze(0)       # [Rc, Tm]
-    tail = block_table[rows.unsqueeze(1), col.clamp(max=block_table.shape[1] - 1)].to(torch.int32)
-    tail = torch.where(col < end.unsqueeze(1), tail, torch.zeros_like(tail))
-    # Row (layer, head, r): kept pages, then slot h of each tail block: [L, H, Rc, Pm + Tm]
-    width = kept_width + tail_len
+    counts, kept = stacked_rows(plan, device)                                   # [L, H, Rc]
+    states = [plan.states[r] for r in plan.per_head_rows]
+    rows = host_to_device(plan.per_head_rows, device)
+    fresh = host_to_device([s.pages for s in states], device)                   # P per row
+    # Host bound of a head's pages: never more than its prefix pages or P*H.
+    width = max(min(s.pages * num_heads, -(-s.evict_at // plan.page_size)) + plan.row_blocks[r] - s.pages
+                for r, s in zip(plan.per_head_rows, states))
     col = torch.arange(width, device=device)
-    heads = torch.arange(num_heads, dtype=torch.int32, device=device).view(1, -1, 1, 1)
-    tail_col = (col - counts).clamp(0, tail_len - 1)
-    tail_pages = torch.gather(tail.view(1, 1, *tail.shape).expand(*tail_col.shape[:3], tail_len), 3, tail_col)
-    pages = torch.where(col < counts, F.pad(kept, (0, tail_len)), tail_pages * num_heads + heads)
-    # Scheduled tokens of the compacted rows and their slots in every layer.
+    start = torch.cumsum(counts, 1) - counts
+    flat = start.unsqueeze(-1) + col                                            # [L, H, Rc, Wc]
+    in_kept = col < counts.unsqueeze(-1)
+    p = fresh.view(-1, 1)
+    block_col = torch.where(in_kept, flat % p, p + col - counts.unsqueeze(-1))
+    heads = torch.arange(num_heads, device=device).view(1, -1, 1, 1)
+    slot = torch.where(in_kept, flat // p, heads)
+    row_blocks = block_table[rows].to(torch.int64)                              # [Rc, Wb]
+    block = torch.gather(row_blocks.expand(*block_col.shape[:2], -1, -1), 3,
+                         block_col.clamp(0, row_blocks.shape[1] - 1))
+    pages = (block * num_heads + slot).to(torch.int32)
+    shift = fresh.view(1, 1, -1) * plan.page_size - kept
+    # Scheduled tokens of the per-head rows and their slots in every layer.
     row_of = torch.full((block_table.shape[0],), -1, dtype=torch.int64, device=device)
     row_of[rows] = torch.arange(rows.numel(), device=device)
-    tokens = host_to_device(plan.compacted_tokens, device)  # known on the host: no nonzero() sync
+    tokens = host_to_device(plan.per_head_tokens, device)  # known on the host: no nonzero() sync
     slots = token_slots(pages, shift, row_of[req[tokens]], positions[tokens], plan.page_size)
     return CompactedBatch(rows=rows, pages=pages, shift=shift, tokens=tokens, slots=slots)
 

@@ -4,13 +4,16 @@ model-runner hooks that keep the runner's block table in step with the scheduler
 The runner hooks wrap three `GPUModelRunner` methods (the CPU runner inherits them):
 - `_update_states`: drop state of finished/resumed requests; after a compaction step, strip the
   prompt blocks from the request's block-table row (the scheduler already freed them).
-- `_prepare_inputs`: build the StepPlan for this batch (row order is final here).
+- `_prepare_inputs`: build the StepPlan for this batch (row order is final here) and shift the
+  compacted rows' attention lengths and KV slots;
 - `execute_model`: clear the plan when the forward is done.
+and `CudagraphDispatcher.dispatch`, so that only steps that need the attention call skip FULL graphs.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -29,13 +32,25 @@ class WorkerEviction:
     evict_at: int                       # E
     pages: int                          # P
     window: int                         # w
+    page_size: int
     q_window: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [w, Hq, D]
     layers: dict[int, LayerCompaction] = field(default_factory=dict)  # filled during the compaction step
-    stacked: tuple | None = None        # per_head.stacked_layers: all layers' pages, built once
+    stacked: tuple | None = None        # per_head.stacked_counts: all layers' page counts, built once
     compacted: bool = False             # True from the step after compaction
     prompt_blocks: int = 0              # cdiv(E, page_size): prompt blocks before the P fresh ones
     fresh_blocks: list[int] = field(default_factory=list)  # the P fresh block ids (set for the compaction step)
+    fresh_device: torch.Tensor | None = None               # the same on the cache's device (compaction step)
     serial: int = field(default_factory=itertools.count().__next__)  # unique per eviction (cache keys)
+
+    @property
+    def stock_layout(self) -> bool:
+        """Uniform allocation lays the kept pages out exactly like vLLM (compaction.py): after compaction
+        the request is a stock request whose positions are shifted by `shift`."""
+        return self.spec.config.allocation == "uniform"
+
+    @property
+    def shift(self) -> int:
+        return self.evict_at - self.pages * self.page_size
 
 
 @dataclass
@@ -48,21 +63,29 @@ class Capture:
 
 @dataclass
 class StepPlan:
+    """What eviction changes in one step; None when no scheduled request evicts (the stock step)."""
+
     num_reqs: int
     states: list[WorkerEviction | None]     # per batch row
     captures: list[Capture]
     compacting: list[int]                    # rows whose chunk ends at their eviction point
-    compacted_rows: list[int]                # rows already compacted (per-head attention needed)
+    compacted_rows: list[int]                # rows already compacted: positions shifted for attention
+    per_head_rows: list[int]                 # the compacted rows without stock layout (Ada-KV)
+    per_head_tokens: list[int]               # batch indices of their scheduled tokens
     page_size: int
-    max_blocks: int                          # widest block-table row this step needs
-    row_blocks: list[int]                    # blocks in each row's block-table row
-    compacted_tokens: list[int]              # batch indices of the compacted rows' scheduled tokens
+    max_blocks: int = 0                      # widest block-table row this step (per-head steps only)
+    row_blocks: list[int] = field(default_factory=list)  # blocks of each row (per-head steps only)
     cache: dict = field(default_factory=dict)  # kept across steps (per_head reuses row stacks)
     tables: object | None = None             # per_head.StepTables, built by the first layer
 
     @property
     def per_head(self) -> bool:
-        return bool(self.compacted_rows)
+        return bool(self.per_head_rows)
+
+    @property
+    def needs_eager_attention(self) -> bool:
+        """Window capture, compaction and per-head attention run in the attention call: no FULL graph."""
+        return bool(self.captures or self.compacting or self.per_head_rows)
 
 
 class WorkerEvictionState:
@@ -70,67 +93,63 @@ class WorkerEvictionState:
 
     def __init__(self) -> None:
         self.requests: dict[str, WorkerEviction] = {}
-        self.unevicting: set[str] = set()
+        self.arrived: list[str] = []             # new or resumed since the last plan
         self.pending_strip: dict[str, WorkerEviction] = {}
         self.plan: StepPlan | None = None
-        self.latency_ms: dict[str, float] = {}   # scoring + compaction time, until sent to the scheduler
+        self.latency = CompactionTimer()
         self.step_cache: dict = {}               # per_head's cross-step cache (StepPlan.cache)
-
-    def add_latency(self, req_id: str, ms: float) -> None:
-        self.latency_ms[req_id] = self.latency_ms.get(req_id, 0.0) + ms
 
     def attach_report(self, output):
         """Send compaction latencies to the scheduler on a ModelRunnerOutput (an attribute survives
         the pickling between worker and engine core). vLLM's shared empty output is never touched."""
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-        if not self.latency_ms or output is None or output is EMPTY_MODEL_RUNNER_OUTPUT:
+        if output is None or output is EMPTY_MODEL_RUNNER_OUTPUT or not self.latency.pending:
             return output
-        latency, self.latency_ms = self.latency_ms, {}
         if hasattr(output, "get_output"):  # async scheduling: the real output is built later
             get_output = output.get_output
 
             def get_output_with_report():
                 real = get_output()
-                setattr(real, LATENCY_ATTR, latency)
+                latency = self.latency.collect()
+                if latency:
+                    setattr(real, LATENCY_ATTR, latency)
                 return real
 
             output.get_output = get_output_with_report
         else:
-            setattr(output, LATENCY_ATTR, latency)
+            latency = self.latency.collect()
+            if latency:
+                setattr(output, LATENCY_ATTR, latency)
         return output
 
-    def _state_for(self, runner, req_id: str) -> WorkerEviction | None:
-        if req_id in self.unevicting:
+    def _new_state(self, runner, req_id: str) -> WorkerEviction | None:
+        req = runner.requests.get(req_id)
+        spec = parse_request_or_none(req.sampling_params.extra_args if req and req.sampling_params else None)
+        if spec is None:
             return None
-        state = self.requests.get(req_id)
-        if state is not None:
-            return state
-        req = runner.requests[req_id]
-        spec = parse_request_or_none(req.sampling_params.extra_args if req.sampling_params else None)
         page_size = runner.cache_config.block_size
         num_prompt = req.num_prompt_tokens
-        pages = spec.pages_per_head(num_prompt, page_size) if spec is not None else None
+        pages = spec.pages_per_head(num_prompt, page_size)
         if pages is None:
-            self.unevicting.add(req_id)
             return None
         evict_at = spec.eviction_point(num_prompt)
-        state = WorkerEviction(req_id=req_id, spec=spec, evict_at=evict_at, pages=pages, window=spec.config.window_size(),
-                               prompt_blocks=-(-evict_at // page_size))
-        self.requests[req_id] = state
-        return state
+        return WorkerEviction(req_id=req_id, spec=spec, evict_at=evict_at, pages=pages,
+                              window=spec.config.window_size(), page_size=page_size,
+                              prompt_blocks=-(-evict_at // page_size))
 
     def _forget(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
-        self.unevicting.discard(req_id)
         self.pending_strip.pop(req_id, None)
 
     def before_update_states(self, runner, scheduler_output) -> None:
         for req_id in scheduler_output.finished_req_ids:
             self._forget(req_id)
+        self.arrived.extend(req.req_id for req in scheduler_output.scheduled_new_reqs)
         cached = scheduler_output.scheduled_cached_reqs
         for req_id in getattr(cached, "resumed_req_ids", ()) or ():
             self._forget(req_id)   # preempted: blocks are new, the recompute evicts again
+            self.arrived.append(req_id)
         for req_id, state in self.pending_strip.items():
             req = runner.requests.get(req_id)
             if req is None:
@@ -141,55 +160,131 @@ class WorkerEvictionState:
                 runner.input_batch.block_table.add_row(req.block_ids, row)
             state.compacted = True
             state.q_window.clear()
+            state.fresh_device = None
         self.pending_strip.clear()
 
     def build_plan(self, runner, scheduler_output) -> None:
+        """The step's plan, in O(number of evicting requests); None (stock step) when there are none."""
+        for req_id in self.arrived:
+            state = self._new_state(runner, req_id)
+            if state is not None:
+                self.requests[req_id] = state
+        self.arrived.clear()
+        self.plan = None
+        if not self.requests:
+            return
         batch = runner.input_batch
         num_reqs = batch.num_reqs
-        states: list[WorkerEviction | None] = []
+        token_starts = runner.query_start_loc.np
+        rows = []
+        for req_id, state in self.requests.items():
+            row = batch.req_id_to_index.get(req_id)
+            if row is not None and row < num_reqs and req_id in scheduler_output.num_scheduled_tokens:
+                rows.append((row, state))
+        if not rows:
+            return
+        rows.sort(key=lambda item: item[0])
+        states: list[WorkerEviction | None] = [None] * num_reqs
         captures: list[Capture] = []
         compacting: list[int] = []
         compacted_rows: list[int] = []
-        token_start = 0
-        page_size = runner.cache_config.block_size
-        max_blocks = 1
-        row_blocks: list[int] = []
-        compacted_tokens: list[int] = []
-        for row, req_id in enumerate(batch.req_ids[:num_reqs]):
-            count = scheduler_output.num_scheduled_tokens[req_id]
-            state = self._state_for(runner, req_id)
-            states.append(state)
-            if state is not None:
-                computed = int(batch.num_computed_tokens_cpu[row])
-                if state.compacted:
-                    compacted_rows.append(row)
-                    compacted_tokens.extend(range(token_start, token_start + count))
-                else:
-                    lo = max(computed, state.evict_at - state.window)
-                    hi = min(computed + count, state.evict_at)
-                    if hi > lo:
-                        captures.append(Capture(state, token_start + lo - computed, hi - lo,
-                                                lo - (state.evict_at - state.window)))
-                    if computed + count == state.evict_at:
-                        compacting.append(row)
-                        blocks = runner.requests[req_id].block_ids[0]
-                        state.fresh_blocks = list(blocks[state.prompt_blocks: state.prompt_blocks + state.pages])
-                        self.pending_strip[req_id] = state
-                    elif computed + count > state.evict_at:
-                        logger.error("vllm-evict: request %s passed its eviction point without a chunk "
-                                     "boundary there; not evicting it", req_id)
-                        self.requests.pop(req_id)
-                        self.unevicting.add(req_id)
-                        states[-1] = None
-            token_start += count
-            row_blocks.append(len(runner.requests[req_id].block_ids[0]))
-            max_blocks = max(max_blocks, row_blocks[-1])
-        self.plan = StepPlan(num_reqs=num_reqs, states=states, captures=captures, compacting=compacting,
-                             compacted_rows=compacted_rows, page_size=page_size, max_blocks=max_blocks,
-                             row_blocks=row_blocks, compacted_tokens=compacted_tokens, cache=self.step_cache)
+        per_head_rows: list[int] = []
+        per_head_tokens: list[int] = []
+        for row, state in rows:
+            states[row] = state
+            token_start = int(token_starts[row])
+            count = int(token_starts[row + 1]) - token_start
+            if state.compacted:
+                compacted_rows.append(row)
+                if not state.stock_layout:
+                    per_head_rows.append(row)
+                    per_head_tokens.extend(range(token_start, token_start + count))
+                continue
+            computed = int(batch.num_computed_tokens_cpu[row])
+            lo = max(computed, state.evict_at - state.window)
+            hi = min(computed + count, state.evict_at)
+            if hi > lo:
+                captures.append(Capture(state, token_start + lo - computed, hi - lo,
+                                        lo - (state.evict_at - state.window)))
+            if computed + count == state.evict_at:
+                compacting.append(row)
+                blocks = runner.requests[state.req_id].block_ids[0]
+                state.fresh_blocks = list(blocks[state.prompt_blocks: state.prompt_blocks + state.pages])
+                self.pending_strip[state.req_id] = state
+            elif computed + count > state.evict_at:
+                logger.error("vllm-evict: request %s passed its eviction point without a chunk "
+                             "boundary there; not evicting it", state.req_id)
+                del self.requests[state.req_id]
+                states[row] = None
+        plan = StepPlan(num_reqs=num_reqs, states=states, captures=captures, compacting=compacting,
+                        compacted_rows=compacted_rows, per_head_rows=per_head_rows,
+                        per_head_tokens=per_head_tokens, page_size=runner.cache_config.block_size,
+                        cache=self.step_cache)
+        if plan.per_head:
+            row_blocks = batch.block_table[0].num_blocks_per_row[:num_reqs]
+            plan.row_blocks = row_blocks.tolist()
+            plan.max_blocks = max(int(row_blocks.max()), 1)
+        if compacted_rows:
+            shift_positions(runner, plan)
+        self.plan = plan
 
     def end_step(self) -> None:
         self.plan = None
+
+
+def shift_positions(runner, plan: StepPlan) -> None:
+    """Attention sees compacted rows at their physical length: seq_lens and the KV slots of their tokens
+    use positions lowered by E - P*page_size (RoPE keeps the semantic positions in runner.positions).
+
+    For stock-layout rows this is all eviction needs, and it works inside vLLM's FULL CUDA graphs (both
+    tensors are the runner's persistent buffers, rewritten in place before the graph replays)."""
+    import numpy as np
+
+    from vllm_evict.engine.per_head import host_to_device
+
+    num_reqs = plan.num_reqs
+    row_shift = np.zeros(num_reqs, dtype=np.int64)
+    for row in plan.compacted_rows:
+        row_shift[row] = plan.states[row].shift
+    device = runner.seq_lens.device
+    shift = host_to_device(row_shift, device)
+    runner.seq_lens[:num_reqs] -= shift.to(runner.seq_lens.dtype)
+    num_tokens = int(runner.query_start_loc.np[num_reqs])
+    positions = runner.positions[:num_tokens] - shift[runner.req_indices.gpu[:num_tokens]]
+    runner.input_batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1],
+                                                        positions)
+
+
+class CompactionTimer:
+    """Scoring + compaction time per request: CUDA events around each layer's work (device time, read
+    once the events completed, so never a sync), or host time on CPU where the work is synchronous."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list] = {}
+
+    def start(self, device: torch.device):
+        if device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, req_id: str, started) -> None:
+        if isinstance(started, float):
+            self.pending.setdefault(req_id, []).append((time.perf_counter() - started) * 1e3)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.pending.setdefault(req_id, []).append((started, end))
+
+    def collect(self) -> dict[str, float]:
+        """Milliseconds per request whose events all completed; the others stay pending."""
+        done: dict[str, float] = {}
+        for req_id, spans in list(self.pending.items()):
+            if all(isinstance(s, float) or s[1].query() for s in spans):
+                done[req_id] = sum(s if isinstance(s, float) else s[0].elapsed_time(s[1]) for s in spans)
+                del self.pending[req_id]
+        return done
 
 
 LATENCY_ATTR = "vllm_evict_latency_ms"
@@ -197,6 +292,8 @@ STATE = WorkerEvictionState()
 
 
 def install_runner_hooks() -> None:
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
     from vllm.v1.worker.block_table import MultiGroupBlockTable
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -208,6 +305,7 @@ def install_runner_hooks() -> None:
     orig_execute = GPUModelRunner.execute_model
     orig_sample = GPUModelRunner.sample_tokens
     orig_block_table_init = MultiGroupBlockTable.__init__
+    orig_dispatch = CudagraphDispatcher.dispatch
 
     def _update_states(self, scheduler_output):
         STATE.before_update_states(self, scheduler_output)
@@ -236,9 +334,17 @@ def install_runner_hooks() -> None:
             args[6] = [2 * n for n in args[6]]
         orig_block_table_init(self, *args, **kwargs)
 
+    def dispatch(self, *args, invalid_modes=None, **kwargs):
+        # A step that captures window queries, compacts or runs per-head attention needs the attention
+        # call to run (PIECEWISE or eager); every other step keeps vLLM's choice, FULL graphs included.
+        if STATE.plan is not None and STATE.plan.needs_eager_attention:
+            invalid_modes = set(invalid_modes or ()) | {CUDAGraphMode.FULL}
+        return orig_dispatch(self, *args, invalid_modes=invalid_modes, **kwargs)
+
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner.execute_model = execute_model
     GPUModelRunner.sample_tokens = sample_tokens
     MultiGroupBlockTable.__init__ = block_table_init
+    CudagraphDispatcher.dispatch = dispatch
     GPUModelRunner._vllm_evict_hooked = True
