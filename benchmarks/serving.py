@@ -14,8 +14,12 @@ Suites (`--suite`):
             (most requests running before the first preemption).
   capacity  capacity alone (max_tokens large, stop once admission stalls or a request is preempted).
 
+  e2e       the end-to-end shapes (--shapes LEN:OUT:N); vanilla also measures eviction's physical limit
+            (prefill-only time + decode time at the evicted KV length) on the same engine.
+
 Engines (`--engine`): `vanilla` (stock vLLM, VLLM_PLUGINS=none, FLASH_ATTN, vLLM's default CUDA graph
-mode) or `evict` (vllm-evict's engine kwargs: FLASH_ATTN, PIECEWISE graphs, eviction scheduler).
+mode) or `evict` (vllm-evict's engine kwargs: FLASH_ATTN, vLLM's default CUDA graph mode, eviction
+scheduler).
 
 Shared-prefix prompts (`--shared-prefix`, load/capacity on the evict engine only): every prompt is one
 common prefix plus a distinct 64-token tail. With prefix caching the prefix is prefilled once; each
@@ -192,9 +196,10 @@ def decode_variants(args):
     if args.engine == "vanilla":
         return [("vanilla", args.kv_len, None)]
     evicted_prompt = int(round(args.kv_len / args.decode_budget))
-    return [("evict engine, no eviction", args.kv_len, None),
-            (f"evict engine, {args.policy} {args.decode_budget} ({evicted_prompt} -> {args.kv_len})", evicted_prompt,
-             {"policy": args.policy, "budget": args.decode_budget, "allocation": "uniform"})]
+    return [("evict engine, no eviction", args.kv_len, None)] + [
+        (f"evict engine, {args.policy} {args.decode_budget} {allocation} ({evicted_prompt} -> {args.kv_len})",
+         evicted_prompt, {"policy": args.policy, "budget": args.decode_budget, "allocation": allocation})
+        for allocation in args.decode_allocations]
 
 
 def run_load(args, drv: Driver, deadline: float, num_requests: int, max_tokens: int, eviction: dict | None,
@@ -254,6 +259,7 @@ def run_load(args, drv: Driver, deadline: float, num_requests: int, max_tokens: 
                    decode_steps=len(decode_batch), decode_tokens=decode_tokens,
                    decode_tok_s=round(decode_tokens / decode_s, 1) if decode_s else None,
                    decode_mean_batch=round(statistics.mean(decode_batch), 1) if decode_batch else None,
+                   decode_s=round(decode_s, 3),
                    decode_step_ms_mean=round(1e3 * decode_s / len(decode_batch), 2) if decode_batch else None)
     if latency:
         out["evict_ms_mean"] = round(statistics.mean(latency), 2)
@@ -279,7 +285,29 @@ def suite_capacity(args, drv: Driver, deadline: float) -> dict:
     return {"runs": runs}
 
 
-SUITES = {"latency": suite_latency, "load": suite_load, "capacity": suite_capacity}
+def suite_e2e(args, drv: Driver, deadline: float) -> dict:
+    """The three end-to-end shapes (--shapes LEN:OUT:N), all requests submitted at t=0.
+
+    Vanilla also measures the physical limit of eviction on the same engine: a prefill-only pass over
+    fresh prompts of the same shape (max_tokens=1), plus the decode-phase time of N requests whose
+    prompts are budget*LEN tokens long (the KV an evicted request decodes over).
+    limit = prefill-only wall time + that decode-phase time."""
+    shapes = []
+    for length, out_tokens, num in args.shapes:
+        args.prompt_len = length
+        row = {"shape": f"{length} in / {out_tokens} out x {num}",
+               "load": run_load(args, drv, deadline, num, out_tokens, eviction_of(args), False)}
+        if args.engine == "vanilla":
+            row["prefill_only"] = run_load(args, drv, deadline, num, 1, None, False)
+            args.prompt_len = int(round(length * args.budget))
+            row["decode_at_evicted_kv"] = run_load(args, drv, deadline, num, out_tokens, None, False)
+            row["limit_s"] = round(row["prefill_only"]["wall_s"] + row["decode_at_evicted_kv"]["decode_s"], 2)
+        shapes.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k in ("shape", "limit_s")}), flush=True)
+    return {"shapes": shapes}
+
+
+SUITES = {"latency": suite_latency, "load": suite_load, "capacity": suite_capacity, "e2e": suite_e2e}
 
 
 def run_one(args) -> dict:
@@ -303,7 +331,14 @@ def run_one(args) -> dict:
 
 # ------------------------------------------------------------------------------------------ orchestration
 # Each plan: the engines of one device call, vanilla first; (engine, suite, extra arguments, seconds).
+E2E_SHAPES = ["--shapes", "32768:256:8", "16384:512:16", "8192:2048:32", "--max-model-len", "33280"]
 PLANS = {
+    # issue 13: decode-step table (batches 1..256 at 1024 KV tokens per head) and the three end-to-end shapes
+    "decode13": [("vanilla", "latency", ["--ttft-cases", "--decode-batches", "1", "8", "64", "256",
+                                         "--kv-len", "1024", "--max-model-len", "8192"], 200),
+                 ("evict", "latency", ["--ttft-cases", "--decode-batches", "1", "8", "64", "256", "--kv-len", "1024",
+                                       "--max-model-len", "8192", "--decode-allocations", "uniform", "adakv"], 260)],
+    "e2e13": [("vanilla", "e2e", E2E_SHAPES, 300), ("evict", "e2e", E2E_SHAPES, 220)],
     "latency": [("vanilla", "latency", [], 240), ("evict", "latency", [], 300)],
     # decode-step latency and 32K decode throughput without TTFT cases or capacity runs (one call)
     # (the first engine of a fresh machine compiles: ~90 s of its budget)
@@ -331,8 +366,12 @@ def run_plan(args) -> int:
                "--time-limit", str(seconds - 60), *extra, *args.extra]
         print("$", " ".join(cmd), flush=True)
         t0 = time.time()
+        env = dict(os.environ)
+        if engine == "vanilla":  # stock vLLM must not even see the plugin's entry point (dist-info)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                if p and not p.rstrip("/").endswith("vsite-evict"))
         try:
-            rc = subprocess.run(cmd, timeout=seconds + 60).returncode
+            rc = subprocess.run(cmd, timeout=seconds + 60, env=env).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         print(f"-> rc {rc} in {time.time() - t0:.0f} s", flush=True)
@@ -378,6 +417,8 @@ def main() -> int:
     o.add_argument("--kv-len", type=int, default=2048)
     o.add_argument("--decode-budget", type=float, default=0.25)
     o.add_argument("--decode-steps", type=int, default=64)
+    o.add_argument("--decode-allocations", nargs="+", default=["uniform"])
+    o.add_argument("--shapes", nargs="+", default=["32768:256:8"], help="LEN:OUT:N (suite e2e)")
     o.add_argument("--max-model-len", type=int, default=66048)
     o.add_argument("--max-num-seqs", type=int, default=512)
     o.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -389,6 +430,7 @@ def main() -> int:
         return run_plan(args)
     args.capacity_configs = parse_capacity(args.capacity_configs)
     args.ttft_cases = parse_ttft(args.ttft_cases)
+    args.shapes = [tuple(int(x) for x in v.split(":")) for v in args.shapes]
     if args.shared_prefix and args.engine == "vanilla":
         ap.error("--shared-prefix is for the evict engine only (shared blocks would inflate vanilla capacity)")
     result = run_one(args)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device call (after staging the vLLM bundle): the GPU tests of the engine, then a serving plan.
+#   bash benchmarks/device_issue13.sh [PLAN ...]      (logs and JSON under $OUT)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source benchmarks/device_env.sh || exit 2
+export VLLM_WORKER_MULTIPROC_METHOD=spawn
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee $OUT/gpu.txt
+git log -1 --format=%H > $OUT/commit.txt 2>/dev/null || true
+if [ "${RUN_TESTS:-1}" = 1 ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_per_head.py tests/engine/test_cuda_graphs.py \
+    tests/kernels 2>&1 | tee $OUT/gpu_tests.log | tail -25
+fi
+for plan in "$@"; do
+  python3 benchmarks/serving.py run --plan "$plan" --out-dir $OUT 2>&1 | grep -v "Warning\|warn(" > $OUT/$plan.log
+  grep '^{' $OUT/$plan.log | cut -c1-400
+done

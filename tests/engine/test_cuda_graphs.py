@@ -1,0 +1,80 @@
+"""GPU: FULL CUDA graphs with eviction give the tokens of the same engine run eagerly.
+
+One mixed batch: plain requests, uniformly compacted requests (stock attention with shifted lengths
+and slots, replayed inside vLLM's FULL decode graphs) and Ada-KV-compacted ones (per-head attention,
+which keeps their steps off FULL graphs). The Ada-KV requests stop early, so the later decode steps
+hold compacted requests and must run as FULL graphs; the test records the dispatcher's choices.
+
+Greedy tokens are compared as vLLM compares its own graph and eager runs (`check_logprobs_close`):
+equal until the first divergence, where each side's token is in the other's top-5; up to there the
+chosen tokens' logprobs agree within bf16 noise."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.engine]
+
+PAGE = 16
+LONG, SHORT = 48, 12
+CASES = [None, {"policy": "dropkv", "budget": 0.25}, {"policy": "streaming", "budget": 0.3},
+         {"policy": "snapkv", "budget": 0.25, "allocation": "adakv"}, None,
+         {"policy": "keydiff", "budget": 0.2, "allocation": "adakv"}, {"policy": "snapkv", "budget": 0.2}]
+
+
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in (300, 700, 650, 720, 500, 610, 900)]
+
+
+def generate(model, **engine_overrides):
+    from vllm import SamplingParams
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    from vllm_evict.engine.worker import STATE
+    from vllm_evict.testing.engines import make_llm
+
+    modes = []  # (mode, plan has compacted rows, plan has per-head rows) of every real step
+    hooked = CudagraphDispatcher.dispatch
+
+    def recording(self, *args, **kwargs):
+        mode, desc = hooked(self, *args, **kwargs)
+        plan = STATE.plan
+        if plan is not None:
+            modes.append((mode, bool(plan.compacted_rows), plan.per_head))
+        return mode, desc
+
+    CudagraphDispatcher.dispatch = recording
+    try:
+        llm = make_llm(model, dtype="bfloat16", block_size=PAGE, max_model_len=2048, kv_cache_memory_bytes=1 << 30,
+                       max_num_seqs=16, seed=0, **engine_overrides)
+        params = [SamplingParams(temperature=0, max_tokens=SHORT if c and c.get("allocation") == "adakv" else LONG,
+                                 ignore_eos=True, logprobs=5, extra_args={"vllm_evict": c} if c else None)
+                  for c in CASES]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params)
+        del llm
+    finally:
+        CudagraphDispatcher.dispatch = hooked
+        gc.collect()
+        torch.cuda.empty_cache()
+    return outs, [(m == CUDAGraphMode.FULL, c, p) for m, c, p in modes]
+
+
+def test_full_graphs_match_eager(tiny_llama, monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # dispatcher runs in this process
+    graphs, modes = generate(tiny_llama)
+    eager, _ = generate(tiny_llama, enforce_eager=True)
+    assert any(full and compacted for full, compacted, _ in modes), "no FULL graph step with compacted rows"
+    assert not any(full and per_head for full, _, per_head in modes), "per-head step ran as a FULL graph"
+    for i, (a, b) in enumerate(zip(graphs, eager)):
+        ga, gb = a.outputs[0], b.outputs[0]
+        assert len(ga.token_ids) == len(gb.token_ids)
+        for t, (x, y) in enumerate(zip(ga.token_ids, gb.token_ids)):
+            if x != y:
+                assert x in gb.logprobs[t] and y in ga.logprobs[t], f"request {i} ({CASES[i]}) step {t}"
+                break
+            assert abs(ga.logprobs[t][x].logprob - gb.logprobs[t][y].logprob) < 0.1, f"request {i} step {t}"
