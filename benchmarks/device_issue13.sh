@@ -8,8 +8,8 @@ export VLLM_WORKER_MULTIPROC_METHOD=spawn
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee $OUT/gpu.txt
 git log -1 --format=%H > $OUT/commit.txt 2>/dev/null || true
 if [ "${RUN_TESTS:-1}" = 1 ]; then
-  python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_per_head.py tests/engine/test_cuda_graphs.py \
-    tests/kernels 2>&1 | tee $OUT/gpu_tests.log | tail -25
+  python3 -m pytest -q -p no:cacheprovider -rfE --tb=short ${GPU_TESTS:-tests/engine/test_cuda_per_head.py \
+    tests/engine/test_cuda_graphs.py} > $OUT/gpu_tests.log 2>&1; grep -E "^(FAILED|ERROR|E  )|passed|failed" $OUT/gpu_tests.log | cut -c1-600 | tail -30
 fi
 for plan in "$@"; do
   python3 benchmarks/serving.py run --plan "$plan" --out-dir $OUT 2>&1 | grep -v "Warning\|warn(" > $OUT/$plan.log

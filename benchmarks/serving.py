@@ -335,9 +335,10 @@ E2E_SHAPES = ["--shapes", "32768:256:8", "16384:512:16", "8192:2048:32", "--max-
 PLANS = {
     # issue 13: decode-step table (batches 1..256 at 1024 KV tokens per head) and the three end-to-end shapes
     "decode13": [("vanilla", "latency", ["--ttft-cases", "--decode-batches", "1", "8", "64", "256",
-                                         "--kv-len", "1024", "--max-model-len", "8192"], 200),
+                                         "--kv-len", "1024", "--max-model-len", "8192", "--decode-steps", "40"], 200),
                  ("evict", "latency", ["--ttft-cases", "--decode-batches", "1", "8", "64", "256", "--kv-len", "1024",
-                                       "--max-model-len", "8192", "--decode-allocations", "uniform", "adakv"], 260)],
+                                       "--max-model-len", "8192", "--decode-steps", "40", "--decode-budget", "0.5",
+                                       "--decode-allocations", "uniform", "adakv"], 260)],
     "e2e13": [("vanilla", "e2e", E2E_SHAPES, 300), ("evict", "e2e", E2E_SHAPES, 220)],
     "latency": [("vanilla", "latency", [], 240), ("evict", "latency", [], 300)],
     # decode-step latency and 32K decode throughput without TTFT cases or capacity runs (one call)

@@ -68,13 +68,16 @@ def test_full_graphs_match_eager(tiny_llama, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # dispatcher runs in this process
     graphs, modes = generate(tiny_llama)
     eager, _ = generate(tiny_llama, enforce_eager=True)
-    assert any(full and compacted for full, compacted, _ in modes), "no FULL graph step with compacted rows"
-    assert not any(full and per_head for full, _, per_head in modes), "per-head step ran as a FULL graph"
+    summary = {k: modes.count(k) for k in set(modes)}  # (FULL?, compacted rows?, per-head rows?) -> steps
+    assert any(full and compacted for full, compacted, _ in modes), f"no FULL graph step with compacted rows: {summary}"
+    assert not any(full and per_head for full, _, per_head in modes), f"per-head step ran as a FULL graph: {summary}"
     for i, (a, b) in enumerate(zip(graphs, eager)):
         ga, gb = a.outputs[0], b.outputs[0]
         assert len(ga.token_ids) == len(gb.token_ids)
         for t, (x, y) in enumerate(zip(ga.token_ids, gb.token_ids)):
             if x != y:
-                assert x in gb.logprobs[t] and y in ga.logprobs[t], f"request {i} ({CASES[i]}) step {t}"
+                assert x in gb.logprobs[t] and y in ga.logprobs[t], \
+                    f"request {i} ({CASES[i]}) step {t}: graphs {ga.token_ids} eager {gb.token_ids}"
                 break
-            assert abs(ga.logprobs[t][x].logprob - gb.logprobs[t][y].logprob) < 0.1, f"request {i} step {t}"
+            diff = abs(ga.logprobs[t][x].logprob - gb.logprobs[t][y].logprob)
+            assert diff < 0.1, f"request {i} ({CASES[i]}) step {t}: logprob differs by {diff}"
