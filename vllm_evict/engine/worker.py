@@ -247,7 +247,7 @@ def shift_positions(runner, plan: StepPlan) -> None:
     for row in plan.compacted_rows:
         row_shift[row] = plan.states[row].shift
     device = runner.seq_lens.device
-    shift = host_to_device(row_shift, device)
+    shift = host_to_device(row_shift.tolist(), device)
     runner.seq_lens[:num_reqs] -= shift.to(runner.seq_lens.dtype)
     num_tokens = int(runner.query_start_loc.np[num_reqs])
     positions = runner.positions[:num_tokens] - shift[runner.req_indices.gpu[:num_tokens]]
