@@ -25,9 +25,9 @@ def stages(policy: str, n: int, precision: str | None):
     from vllm_evict.engine.cuda_backend import CudaPagedCache
     from vllm_evict.policies import EvictionConfig, register_raw_kernel
 
-    if precision is not None:
-        config = WindowScoreConfig(precision=precision)
-        register_raw_kernel(lambda *a, **k: window_scores(*a, config=config, **k))
+    # What the plugin registers on CUDA (engine/plugin.py), optionally with another precision.
+    kernel_config = WindowScoreConfig(precision=precision or "ieee")
+    register_raw_kernel(lambda *a, **k: window_scores(*a, config=kernel_config, **k))
     H, G, D, N = 8, 4, 128, 16
     dev, dt = "cuda", torch.bfloat16
     num_prompt_blocks = n // N

@@ -127,6 +127,8 @@ def engine_profile(args, out_dir: Path) -> None:
     timed(core.scheduler, "update_from_output", "update")
     timed(core.model_executor, "execute_model", "execute")
     ev = {"policy": "dropkv", "budget": budget, "allocation": "uniform"}
+    if args.prefill_only:
+        return prefill_profile(args, engine, add, table, ev, out_dir)
     variants = [("evicted", ev, args.prompt_len)] if args.evicted_only else \
         [("plain", None, args.kv_len), ("evicted", ev, args.prompt_len)]
     for label, eviction, n in variants:
@@ -177,6 +179,38 @@ def engine_profile(args, out_dir: Path) -> None:
     table(prof, "prefill + compaction", out_dir / "profile_compaction.txt")
 
 
+def prefill_profile(args, engine, add, table, ev, out_dir):
+    """Prefill-only passes (max_tokens=1) of B prompts, plain then evicting, after one warm-up request of
+    each kind at the same length (Triton compiles stay out); wall time and profiles of both."""
+    def run(eviction, label, profiled):
+        for i in range(args.batch):
+            add(i, args.prompt_len, 1, eviction)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if profiled:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                while engine.has_unfinished_requests():
+                    engine.step()
+                torch.cuda.synchronize()
+            table(prof, f"prefill {label}", out_dir / f"profile_prefill_{label}.txt")
+        else:
+            while engine.has_unfinished_requests():
+                engine.step()
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for eviction in (None, ev):  # warm-up
+        add(0, args.prompt_len, 1, eviction)
+        while engine.has_unfinished_requests():
+            engine.step()
+    for label, eviction in (("plain", None), ("evict", ev)):
+        wall = run(eviction, label, False)
+        print(f"### prefill {label} {args.batch} x {args.prompt_len}: {wall:.3f} s (not profiled)", flush=True)
+    for label, eviction in (("plain", None), ("evict", ev)):
+        wall = run(eviction, label, True)
+        print(f"### prefill {label} {args.batch} x {args.prompt_len}: {wall:.3f} s (profiled)", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
@@ -187,9 +221,11 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--shared-prefix", action="store_true")
     ap.add_argument("--evicted-only", action="store_true")
+    ap.add_argument("--prefill-only", action="store_true", help="profile prefill passes, plain vs evicting")
     args = ap.parse_args()
     out_dir = Path(args.out_dir)
-    print(attention_alone(args.batch, args.kv_len), flush=True)
+    if not args.prefill_only:
+        print(attention_alone(args.batch, args.kv_len), flush=True)
     engine_profile(args, out_dir)
 
 
