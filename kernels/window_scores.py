@@ -23,14 +23,17 @@ M = g*w rows (row m = hg*W_P + t; padded to powers of two, at least 16 rows for 
 * Kernel A (``_window_fwd_kernel``): FlashAttention-2 style online softmax of the M rows over
   key tiles with the causal mask (row t sees keys j <= n-w+t). Produces the window output
   a^{h,t} (fp32, pre-W_O) and LSE^{h,t} (natural log). Split-K over the key axis when
-  B*H_kv is small compared to the SM count: each split r writes (m_r, l_r, acc_r).
+  B*H_kv is small compared to the SM count: each split r writes (m_r, l_r, acc_r); with one
+  split the merge below is a copy, kept so that no kernel variant depends on n.
   Policies that need no a (snapkv, h2o, tova, obcache-value) skip the V load and the P·V dot.
 * Kernel C (``_splitk_merge_kernel``): m* = max m_r, l* = sum e^{m_r-m*} l_r,
   acc* = sum e^{m_r-m*} acc_r, a = acc*/l*, LSE = m* + log l*.
 * Kernel B (``_window_score_kernel``): grid (B*H_kv, cdiv(n, BLOCK_N)); each program owns one
-  key tile of BLOCK_N = SUB_N * NUM_SUB keys (NUM_SUB sub-tiles in a software-pipelined loop, so
+  key tile of BLOCK_N = SUB_N * num_sub keys (num_sub sub-tiles in a software-pipelined loop, so
   that q, LSE and a are loaded once per program and the K/V loads of the next sub-tile overlap
-  the math of the current one; NUM_SUB shrinks at small n to keep the grid >= 4 programs/SM):
+  the math of the current one; num_sub shrinks at small n to keep the grid >= 4 programs/SM).
+  n, w, num_sub and the split count are runtime arguments, never specialized: the first prompt
+  of a new length compiles nothing.
   loads k_j, v_j once, recomputes z = s*q·k (bf16 tensor-core dot, fp32 accumulate),
   p = exp(z - LSE) (fp32, never rounded to bf16), <a, v> with a second dot in IEEE fp32,
   applies the policy epilogue, reduces over t then over the g heads (mean or max) and writes
@@ -167,11 +170,12 @@ if _HAS_TRITON:
         else:
             return tl.dot(q, tl.trans(k))
 
-    @triton.jit
+    # Nothing that depends on the prompt length is a compile-time constant or a specialized integer:
+    # one compiled variant per (policy, gqa, precision, dtype, shape of the heads) serves every n.
+    @triton.jit(do_not_specialize=["n", "w", "tiles_per_split"])
     def _window_fwd_kernel(
         Q, K, V,
-        A_OUT, LSE_OUT,  # final outputs (used when SPLIT == False)
-        M_PART, L_PART, ACC_PART,  # split-K partials (used when SPLIT == True)
+        M_PART, L_PART, ACC_PART,  # split-K partials (always written; kernel C merges them)
         n, w, g, H_kv, qk_scale2,  # qk_scale2 = scale * log2(e)
         tiles_per_split,
         sqb, sqt, sqh,
@@ -180,7 +184,7 @@ if _HAS_TRITON:
         D: tl.constexpr, D_P: tl.constexpr,
         G_P: tl.constexpr, W_P: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        NEED_A: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, IS_F32: tl.constexpr,
+        NEED_A: tl.constexpr, PRECISION: tl.constexpr, IS_F32: tl.constexpr,
     ):
         M_P: tl.constexpr = G_P * W_P
         bh = tl.program_id(0)
@@ -227,21 +231,13 @@ if _HAS_TRITON:
                 acc = acc * alpha[:, None] + _dot_f32_operand(p, v, PRECISION)
             m_i = m_new
 
-        if SPLIT:
-            part = (bh * num_splits + split).to(tl.int64)
-            tl.store(M_PART + part * M_P + rows, m_i)
-            tl.store(L_PART + part * M_P + rows, l_i)
-            if NEED_A:
-                tl.store(ACC_PART + part * (M_P * D_P) + rows[:, None] * D_P + offs_d[None, :], acc)
-        else:
-            # every row sees at least key 0, so l_i > 0
-            lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
-            tl.store(LSE_OUT + bh.to(tl.int64) * M_P + rows, lse)
-            if NEED_A:
-                a = acc / l_i[:, None]
-                tl.store(A_OUT + bh.to(tl.int64) * (M_P * D_P) + rows[:, None] * D_P + offs_d[None, :], a)
+        part = (bh * num_splits + split).to(tl.int64)
+        tl.store(M_PART + part * M_P + rows, m_i)
+        tl.store(L_PART + part * M_P + rows, l_i)
+        if NEED_A:
+            tl.store(ACC_PART + part * (M_P * D_P) + rows[:, None] * D_P + offs_d[None, :], acc)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])
     def _splitk_merge_kernel(
         M_PART, L_PART, ACC_PART, A_OUT, LSE_OUT,
         num_splits,
@@ -256,7 +252,7 @@ if _HAS_TRITON:
         ml_ptrs = (base + offs_s[:, None]) * M_P + rows[None, :]
         m_r = tl.load(M_PART + ml_ptrs, mask=s_mask[:, None], other=float("-inf"))
         l_r = tl.load(L_PART + ml_ptrs, mask=s_mask[:, None], other=0.0)
-        m_star = tl.max(m_r, axis=0)  # >= -1e30, finite
+        m_star = tl.max(m_r, axis=0)  # >= -1e30, finite; every row sees key 0 in split 0, so l* > 0
         l_star = tl.sum(tl.exp2(m_r - m_star[None, :]) * l_r, axis=0)
         lse = (m_star + tl.log2(l_star)) * 0.6931471805599453
         tl.store(LSE_OUT + bh.to(tl.int64) * M_P + rows, lse)
@@ -271,21 +267,21 @@ if _HAS_TRITON:
             a = acc / l_star[:, None]
             tl.store(A_OUT + bh.to(tl.int64) * (M_P * D_P) + rows[:, None] * D_P + offs_d[None, :], a)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "w", "num_sub"])
     def _window_score_kernel(
         Q, K, V, A, LSE, OUT,
-        n, w, g, H_kv, scale, inv_w, inv_g, eps,
+        n, w, g, H_kv, scale, inv_w, inv_g, eps, num_sub,
         sqb, sqt, sqh,
         skb, skn, skh,
         svb, svn, svh,
         D: tl.constexpr, D_P: tl.constexpr,
         G_P: tl.constexpr, W_P: tl.constexpr,
-        SUB_N: tl.constexpr, NUM_SUB: tl.constexpr,
+        SUB_N: tl.constexpr,
         POLICY: tl.constexpr, NEED_A: tl.constexpr, NEED_V: tl.constexpr,
         GQA_MAX: tl.constexpr, PRECISION: tl.constexpr, IS_F32: tl.constexpr,
         NUM_STAGES: tl.constexpr,
     ):
-        """One program per key tile of BLOCK_N = SUB_N * NUM_SUB keys, processed in NUM_SUB
+        """One program per key tile of BLOCK_N = SUB_N * num_sub keys, processed in num_sub
         sub-tiles (software-pipelined loads); q, LSE, a (and its split) are loaded once."""
         M_P: tl.constexpr = G_P * W_P
         bh = tl.program_id(0)
@@ -316,8 +312,8 @@ if _HAS_TRITON:
         v_base = V + b.to(tl.int64) * svb + kvh * svh
         o_base = OUT + bh.to(tl.int64) * n
 
-        for sub in tl.range(0, NUM_SUB, num_stages=NUM_STAGES):
-            offs_n = (tile * NUM_SUB + sub) * SUB_N + tl.arange(0, SUB_N)
+        for sub in tl.range(0, num_sub, num_stages=NUM_STAGES):
+            offs_n = (tile * num_sub + sub) * SUB_N + tl.arange(0, SUB_N)
             n_mask = offs_n < n
             k = tl.load(k_base + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :],
                         mask=n_mask[:, None] & d_mask[None, :], other=0.0)
@@ -461,6 +457,12 @@ def _plan(policy, q_window, keys, values, scale, gqa, config):
     return P
 
 
+def _split_cap(P) -> int:
+    """Most splits any n can get: the merge kernel's width is sized from this, never from n."""
+    cfg = P["cfg"]
+    return max(1, int(cfg.num_splits)) if cfg.num_splits is not None else triton.cdiv(2 * P["sms"], P["BH"])
+
+
 def _splits_for(P, block_n_a):
     cfg, BH = P["cfg"], P["BH"]
     n_tiles = triton.cdiv(P["n"], block_n_a)
@@ -487,7 +489,8 @@ def _num_sub_for(P, sub_n):
 
 
 def _forward(plan, q_window, keys, values):
-    """Kernels A (+ C): returns (a [BH, M_P, D_P] fp32 or a dummy, LSE [BH, M_P] fp32)."""
+    """Kernels A + C: returns (a [BH, M_P, D_P] fp32 or a dummy, LSE [BH, M_P] fp32). A always writes
+    split partials (one split at large B*H_kv) and C merges them: no n-dependent kernel variant."""
     P, dev = plan, keys.device
     BH, M_P, D_P, need_a = P["BH"], P["M_P"], P["D_P"], P["need_a"]
     a_buf = torch.empty((BH, M_P, D_P) if need_a else (1,), device=dev, dtype=torch.float32)
@@ -497,31 +500,27 @@ def _forward(plan, q_window, keys, values):
 
     def launch(params):
         splits, tiles_per_split = _splits_for(P, params["block_n_a"])
-        if splits > 1:
-            m_part = torch.empty((BH, splits, M_P), device=dev, dtype=torch.float32)
-            l_part = torch.empty((BH, splits, M_P), device=dev, dtype=torch.float32)
-            acc_part = torch.empty((BH, splits, M_P, D_P) if need_a else (1,), device=dev, dtype=torch.float32)
-        else:
-            m_part = l_part = acc_part = lse  # unused
+        m_part = torch.empty((BH, splits, M_P), device=dev, dtype=torch.float32)
+        l_part = torch.empty((BH, splits, M_P), device=dev, dtype=torch.float32)
+        acc_part = torch.empty((BH, splits, M_P, D_P) if need_a else (1,), device=dev, dtype=torch.float32)
         _window_fwd_kernel[(BH, splits)](
             q_window, keys, v_a,
-            a_buf, lse, m_part, l_part, acc_part,
+            m_part, l_part, acc_part,
             P["n"], P["w"], P["g"], P["H_kv"], P["scale"] * 1.4426950408889634,
             tiles_per_split,
             q_window.stride(0), q_window.stride(1), q_window.stride(2),
             keys.stride(0), keys.stride(1), keys.stride(2),
             v_a.stride(0), v_a.stride(1), v_a.stride(2),
             D=P["D"], D_P=D_P, G_P=P["G_P"], W_P=P["W_P"], BLOCK_N=params["block_n_a"],
-            NEED_A=need_a, SPLIT=splits > 1, PRECISION=P["prec"], IS_F32=P["is_f32"],
+            NEED_A=need_a, PRECISION=P["prec"], IS_F32=P["is_f32"],
             num_warps=params["num_warps_a"], num_stages=params["num_stages_a"],
         )
-        if splits > 1:
-            block_m = min(M_P, 32)
-            _splitk_merge_kernel[(BH, M_P // block_m)](
-                m_part, l_part, acc_part, a_buf, lse, splits,
-                M_P=M_P, D_P=D_P, S_P=max(2, _next_pow2(splits)), BLOCK_M=block_m,
-                NEED_A=need_a, num_warps=4,
-            )
+        block_m = min(M_P, 32)
+        _splitk_merge_kernel[(BH, M_P // block_m)](
+            m_part, l_part, acc_part, a_buf, lse, splits,
+            M_P=M_P, D_P=D_P, S_P=max(2, _next_pow2(_split_cap(P))), BLOCK_M=block_m,
+            NEED_A=need_a, num_warps=4,
+        )
         return splits
 
     params = {k: lp0[k] for k in ("block_n_a", "num_warps_a", "num_stages_a")}
@@ -541,12 +540,12 @@ def _score(plan, q_window, keys, values, a_buf, lse, out):
         block_n = params["sub_n_b"] * num_sub
         _window_score_kernel[(P["BH"], triton.cdiv(P["n"], block_n))](
             q_window, keys, v_b, a_buf, lse, out,
-            P["n"], P["w"], P["g"], P["H_kv"], P["scale"], 1.0 / P["w"], 1.0 / P["g"], EPS,
+            P["n"], P["w"], P["g"], P["H_kv"], P["scale"], 1.0 / P["w"], 1.0 / P["g"], EPS, num_sub,
             q_window.stride(0), q_window.stride(1), q_window.stride(2),
             keys.stride(0), keys.stride(1), keys.stride(2),
             v_b.stride(0), v_b.stride(1), v_b.stride(2),
             D=P["D"], D_P=P["D_P"], G_P=P["G_P"], W_P=P["W_P"],
-            SUB_N=params["sub_n_b"], NUM_SUB=num_sub,
+            SUB_N=params["sub_n_b"],
             POLICY=P["pol_id"], NEED_A=P["need_a"], NEED_V=P["need_v"], GQA_MAX=P["gqa_max"],
             PRECISION=P["prec"], IS_F32=P["is_f32"], NUM_STAGES=params["num_stages_b"],
             num_warps=params["num_warps_b"],

@@ -410,3 +410,30 @@ def test_dropkv_peaked_attention(n):
     assert torch.all(err <= rtol * ref.double().abs() + 1e-30)
     K = uniform_keep_count(n, 0.1, r=w, bs=16)
     assert_kept_sets_match(pool_protect(tri, kappa=kappa, w=w), pool_protect(ref, kappa=kappa, w=w), K)
+
+
+@pytest.mark.gpu
+@gpu
+def test_new_prompt_lengths_compile_nothing():
+    """After one prompt length, every other length (aligned or not, short or long, split or not) runs
+    on the kernels already compiled (issue 14: no per-length recompiles)."""
+    from kernels import window_scores as ws
+
+    kernels = (ws._window_fwd_kernel, ws._splitk_merge_kernel, ws._window_score_kernel)
+
+    def compiled() -> int:
+        return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+    def run(n):
+        q = torch.randn(8, 32, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(n, 8, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(n, 8, 128, device="cuda", dtype=torch.bfloat16)
+        ws.window_scores("dropkv", q, k, v)
+
+    run(1000)
+    before = compiled()
+    assert before > 0
+    for n in (1001, 4093, 8192, 33000, 131072):
+        run(n)
+    torch.cuda.synchronize()
+    assert compiled() == before

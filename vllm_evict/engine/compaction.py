@@ -64,3 +64,25 @@ def compaction_slots(keep: torch.Tensor, page_counts: torch.Tensor, fresh_blocks
     slot = torch.where(keep, slot, -1)
     layout = LayerCompaction(page_counts=page_counts, kept=keep.sum(dim=1))
     return layout, slot.t()
+
+
+def warm_up(device: torch.device, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+            page_size: int) -> None:
+    """Run every policy's scoring and compaction once on a small prompt, so that the Triton kernels
+    (compiled once per policy and head shape, never per prompt length) and the torch kernels are ready
+    before the first request instead of inside its prefill."""
+    from vllm_evict.policies import POLICIES
+
+    n = 16 * page_size
+    gen = torch.Generator(device=device).manual_seed(0)
+    keys = torch.randn(n, num_kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    values = torch.randn(n, num_kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    queries = torch.randn(n, num_q_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    fresh = torch.arange(4, device=device)
+    for policy in POLICIES:
+        config = EvictionConfig.from_dict({"policy": policy, "budget": 4 * page_size})
+        window = config.window_size()
+        keep, counts = plan_compaction(config, queries[n - max(window, 1):], keys, values, head_dim ** -0.5,
+                                       page_size, 4)
+        compaction_slots(keep, counts, fresh, page_size)
+    torch.cuda.synchronize(device)

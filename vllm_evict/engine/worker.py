@@ -255,6 +255,20 @@ def shift_positions(runner, plan: StepPlan) -> None:
                                                         positions)
 
 
+def warm_up_scoring(runner) -> None:
+    """At engine start (vLLM's kernel warm-up, CUDA only): compile the scoring kernels for this model's
+    head shape, so no request pays a compile (docs/OPERATIONS.md)."""
+    if runner.device.type != "cuda":
+        return
+    from vllm_evict.engine.compaction import warm_up
+
+    model, parallel = runner.model_config, runner.parallel_config
+    start = time.perf_counter()
+    warm_up(runner.device, model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel),
+            model.get_head_size(), model.dtype, runner.cache_config.block_size)
+    logger.info("vllm-evict: scoring kernels ready in %.1f s", time.perf_counter() - start)
+
+
 class CompactionTimer:
     """Scoring + compaction time per request: CUDA events around each layer's work (device time, read
     once the events completed, so never a sync), or host time on CPU where the work is synchronous."""
@@ -295,6 +309,7 @@ def install_runner_hooks() -> None:
     from vllm.config import CUDAGraphMode
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
     from vllm.v1.worker.block_table import MultiGroupBlockTable
+    from vllm.v1.worker import gpu_worker
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if getattr(GPUModelRunner, "_vllm_evict_hooked", False):
@@ -306,6 +321,7 @@ def install_runner_hooks() -> None:
     orig_sample = GPUModelRunner.sample_tokens
     orig_block_table_init = MultiGroupBlockTable.__init__
     orig_dispatch = CudagraphDispatcher.dispatch
+    orig_kernel_warmup = gpu_worker.kernel_warmup
 
     def _update_states(self, scheduler_output):
         STATE.before_update_states(self, scheduler_output)
@@ -341,10 +357,15 @@ def install_runner_hooks() -> None:
             invalid_modes = set(invalid_modes or ()) | {CUDAGraphMode.FULL}
         return orig_dispatch(self, *args, invalid_modes=invalid_modes, **kwargs)
 
+    def kernel_warmup(worker):
+        orig_kernel_warmup(worker)
+        warm_up_scoring(worker.model_runner)
+
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner.execute_model = execute_model
     GPUModelRunner.sample_tokens = sample_tokens
     MultiGroupBlockTable.__init__ = block_table_init
     CudagraphDispatcher.dispatch = dispatch
+    gpu_worker.kernel_warmup = kernel_warmup
     GPUModelRunner._vllm_evict_hooked = True
