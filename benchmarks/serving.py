@@ -14,6 +14,7 @@ Suites (`--suite`):
             (most requests running before the first preemption).
   capacity  capacity alone (max_tokens large, stop once admission stalls or a request is preempted).
 
+  prefill   prefill-only passes and TTFT at batch 1 per policy, with the reported eviction latency.
   e2e       the end-to-end shapes (--shapes LEN:OUT:N); vanilla also measures eviction's physical limit
             (prefill-only time + decode time at the evicted KV length) on the same engine.
 
@@ -307,7 +308,42 @@ def suite_e2e(args, drv: Driver, deadline: float) -> dict:
     return {"shapes": shapes}
 
 
-SUITES = {"latency": suite_latency, "load": suite_load, "capacity": suite_capacity, "e2e": suite_e2e}
+def suite_prefill(args, drv: Driver, deadline: float) -> dict:
+    """Prefill-phase time (--prefill-shapes LEN:N, max_tokens=1, all submitted at t=0) and TTFT at batch 1
+    (--ttft-lengths, median of --repeats) per policy (--prefill-policies NAME:ALLOCATION at --budget;
+    vanilla runs none), with the engine's reported eviction latency per request next to it."""
+    policies = [None] if args.engine == "vanilla" else [
+        {"policy": p.split(":")[0], "budget": args.budget, "allocation": p.split(":")[1]}
+        for p in args.prefill_policies]
+    rows = []
+    for eviction in policies:
+        for length, num in args.prefill_shapes:
+            args.prompt_len = length
+            run = run_load(args, drv, deadline, num, 1, eviction, False)
+            rows.append({"kind": "prefill", "prompt_len": length, "requests": num, "eviction": eviction,
+                         "wall_s": run["wall_s"], "evict_ms_mean": run.get("evict_ms_mean")})
+        for length in args.ttft_lengths:
+            ttft, reported = [], []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                rid = drv.add(drv.prompt(length), 1, eviction)
+                while drv.engine.has_unfinished_requests():
+                    outs, _, _, _ = drv.step()
+                    for o in outs:
+                        if o.finished and o.request_id == rid:
+                            ttft.append(time.perf_counter() - t0)
+                            if (r := report_of(o)) is not None and r.get("latency_ms") is not None:
+                                reported.append(r["latency_ms"])
+            rows.append({"kind": "ttft", "prompt_len": length, "eviction": eviction,
+                         "ttft_ms_median": round(1e3 * statistics.median(ttft), 2),
+                         "ttft_ms_all": [round(1e3 * t, 2) for t in ttft],
+                         "evict_ms_median": round(statistics.median(reported), 2) if reported else None})
+        print(json.dumps(rows[-1]), flush=True)
+    return {"rows": rows}
+
+
+SUITES = {"latency": suite_latency, "load": suite_load, "capacity": suite_capacity, "e2e": suite_e2e,
+          "prefill": suite_prefill}
 
 
 def run_one(args) -> dict:
@@ -331,6 +367,8 @@ def run_one(args) -> dict:
 
 # ------------------------------------------------------------------------------------------ orchestration
 # Each plan: the engines of one device call, vanilla first; (engine, suite, extra arguments, seconds).
+PREFILL_ARGS = ["--prefill-shapes", "8192:32", "16384:32", "32768:16", "--ttft-lengths", "8192", "32768",
+                "--repeats", "3", "--max-model-len", "33280"]
 E2E_SHAPES = ["--shapes", "32768:256:8", "16384:512:16", "8192:2048:32", "--max-model-len", "33280"]
 PLANS = {
     # issue 13: decode-step table (batches 1..256 at 1024 KV tokens per head) and the three end-to-end shapes
@@ -339,6 +377,10 @@ PLANS = {
                  ("evict", "latency", ["--ttft-cases", "--decode-batches", "1", "8", "64", "256", "--kv-len", "1024",
                                        "--max-model-len", "8192", "--decode-steps", "40", "--decode-budget", "0.5",
                                        "--decode-allocations", "uniform", "adakv"], 260)],
+    # issue 14: prefill-phase time and TTFT, vanilla against DropKV / SnapKV / KeyDiff at 10% (+ DropKV Ada-KV)
+    "prefill14": [("vanilla", "prefill", PREFILL_ARGS, 200),
+                  ("evict", "prefill", PREFILL_ARGS + ["--prefill-policies", "dropkv:uniform", "snapkv:uniform",
+                                                       "keydiff:uniform", "dropkv:adakv"], 340)],
     "e2e13": [("vanilla", "e2e", E2E_SHAPES, 300), ("evict", "e2e", E2E_SHAPES, 220)],
     "latency": [("vanilla", "latency", [], 240), ("evict", "latency", [], 300)],
     # decode-step latency and 32K decode throughput without TTFT cases or capacity runs (one call)
@@ -420,6 +462,9 @@ def main() -> int:
     o.add_argument("--decode-steps", type=int, default=64)
     o.add_argument("--decode-allocations", nargs="+", default=["uniform"])
     o.add_argument("--shapes", nargs="+", default=["32768:256:8"], help="LEN:OUT:N (suite e2e)")
+    o.add_argument("--prefill-shapes", nargs="+", default=["8192:32"], help="LEN:N (suite prefill)")
+    o.add_argument("--prefill-policies", nargs="+", default=["dropkv:uniform"], help="NAME:ALLOCATION")
+    o.add_argument("--ttft-lengths", nargs="*", type=int, default=[8192, 32768])
     o.add_argument("--max-model-len", type=int, default=66048)
     o.add_argument("--max-num-seqs", type=int, default=512)
     o.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -432,6 +477,7 @@ def main() -> int:
     args.capacity_configs = parse_capacity(args.capacity_configs)
     args.ttft_cases = parse_ttft(args.ttft_cases)
     args.shapes = [tuple(int(x) for x in v.split(":")) for v in args.shapes]
+    args.prefill_shapes = [tuple(int(x) for x in v.split(":")) for v in args.prefill_shapes]
     if args.shared_prefix and args.engine == "vanilla":
         ap.error("--shared-prefix is for the evict engine only (shared blocks would inflate vanilla capacity)")
     result = run_one(args)
