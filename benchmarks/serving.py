@@ -356,7 +356,9 @@ def run_one(args) -> dict:
     sched = engine.engine_core.engine_core.scheduler
     blocks = sched.kv_cache_manager.block_pool.num_gpu_blocks
     drv = Driver(engine, args.seed)
-    result = SUITES[args.suite](args, drv, deadline)
+    result: dict = {}
+    for suite in args.suite.split(","):  # several suites share one engine start
+        result.update(SUITES[suite](args, drv, deadline))
     result.update(engine=args.engine, suite=args.suite, policy=None if args.engine == "vanilla" else args.policy,
                   engine_start_s=start_s, kv_tokens_total=blocks * 16,
                   cudagraph_mode=str(engine.vllm_config.compilation_config.cudagraph_mode),
@@ -381,6 +383,14 @@ PLANS = {
     "prefill14": [("vanilla", "prefill", PREFILL_ARGS, 200),
                   ("evict", "prefill", PREFILL_ARGS + ["--prefill-policies", "dropkv:uniform", "snapkv:uniform",
                                                        "keydiff:uniform", "dropkv:adakv"], 340)],
+    # the last call of session 4: the 8K shape and the prefill table on the same two engines
+    "final13_14": [("vanilla", "e2e,prefill", ["--shapes", "8192:2048:32", "--prefill-shapes", "8192:32", "32768:16",
+                                               "--ttft-lengths", "8192", "32768", "--repeats", "3",
+                                               "--max-model-len", "33280"], 260),
+                   ("evict", "e2e,prefill", ["--shapes", "8192:2048:32", "--prefill-shapes", "8192:32", "32768:16",
+                                             "--ttft-lengths", "8192", "32768", "--repeats", "3",
+                                             "--max-model-len", "33280", "--prefill-policies", "dropkv:uniform",
+                                             "snapkv:uniform", "keydiff:uniform", "dropkv:adakv"], 340)],
     "e2e13": [("vanilla", "e2e", E2E_SHAPES, 300), ("evict", "e2e", E2E_SHAPES, 220)],
     "latency": [("vanilla", "latency", [], 240), ("evict", "latency", [], 300)],
     # decode-step latency and 32K decode throughput without TTFT cases or capacity runs (one call)
@@ -441,7 +451,7 @@ def main() -> int:
     r.add_argument("extra", nargs=argparse.REMAINDER, help="passed to every engine run")
     o = sub.add_parser("one", help="one engine, one suite")
     o.add_argument("--engine", choices=["vanilla", "evict"], required=True)
-    o.add_argument("--suite", choices=sorted(SUITES), required=True)
+    o.add_argument("--suite", required=True, help=f"one of {sorted(SUITES)}, or several joined by commas")
     o.add_argument("--out", required=True)
     o.add_argument("--workdir", default="/tmp/vllm-evict-bench")
     o.add_argument("--policy", default="dropkv")
