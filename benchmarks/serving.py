@@ -414,7 +414,7 @@ def run_plan(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     combined = []
     for i, (engine, suite, extra, seconds) in enumerate(PLANS[args.plan]):
-        out = out_dir / f"{args.plan}_{i}_{engine}_{suite}.json"
+        out = out_dir / f"{args.plan}_{i}_{engine}_{suite.replace(',', '-')}.json"
         cmd = [sys.executable, __file__, "one", "--engine", engine, "--suite", suite, "--out", str(out),
                "--time-limit", str(seconds - 60), *extra, *args.extra]
         print("$", " ".join(cmd), flush=True)
