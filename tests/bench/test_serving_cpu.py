@@ -52,9 +52,10 @@ def test_eviction_raises_kv_bound_capacity(load_runs):
 def test_latency_suite_rows(tmp_path):
     run = run_one(tmp_path, "latency", "--engine", "evict", "--suite", "latency", "--ttft-cases", "512x1", "512x2",
                   "--repeats", "1", "--decode-batches", "2", "--kv-len", "128", "--decode-budget", "0.25",
-                  "--decode-steps", "8")
+                  "--decode-steps", "8", "--decode-allocations", "uniform", "adakv")
     assert [(r["prompt_len"], r["batch"]) for r in run["ttft"]] == [(512, 1), (512, 2)]
     assert all(r["ttft_ms_mean"] > 0 and r["evict_ms_mean"] > 0 for r in run["ttft"])
     variants = [r["variant"] for r in run["decode"]]
-    assert variants == ["evict engine, no eviction", "evict engine, dropkv 0.25 (512 -> 128)"]
+    assert variants == ["evict engine, no eviction", "evict engine, dropkv 0.25 uniform (512 -> 128)",
+                        "evict engine, dropkv 0.25 adakv (512 -> 128)"]
     assert all(r["steps"] >= 4 and r["step_ms_median"] > 0 for r in run["decode"])

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 @dataclass
 class VirtualTables:
     pages: torch.Tensor      # [H, R, W] int32 page ids
-    shift: torch.Tensor      # [H, R] int64: semantic position - virtual position
+    shift: torch.Tensor      # [H, R] int64: row position (worker-shifted) - head-virtual position
     seq_lens: torch.Tensor   # [H, R] int32 virtual lengths
     slots: torch.Tensor      # [T, H] int64 cache slot of every scheduled token's key/value
 
