@@ -2,8 +2,9 @@
 
 One mixed batch: plain requests, uniformly compacted requests (stock attention with shifted lengths
 and slots, replayed inside vLLM's FULL decode graphs) and Ada-KV-compacted ones (per-head attention,
-which keeps their steps off FULL graphs). The Ada-KV requests stop early, so the later decode steps
-hold compacted requests and must run as FULL graphs; the test records the dispatcher's choices.
+replayed inside per-head FULL decode graphs). The Ada-KV requests stop early, so the decode steps
+first hold per-head rows (per-head graphs), then only stock-layout rows (vLLM's graphs); the test
+records the dispatcher's choices and requires both kinds of FULL step.
 
 Greedy tokens are compared as vLLM compares its own graph and eager runs (`check_logprobs_close`):
 equal until the first divergence, where each side's token is in the other's top-5; up to there the
@@ -19,7 +20,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.engine]
 
 PAGE = 16
-LONG, SHORT = 48, 12
+LONG, SHORT = 48, 20
 CASES = [None, {"policy": "dropkv", "budget": 0.25}, {"policy": "streaming", "budget": 0.3},
          {"policy": "snapkv", "budget": 0.25, "allocation": "adakv"}, None,
          {"policy": "keydiff", "budget": 0.2, "allocation": "adakv"}, {"policy": "snapkv", "budget": 0.2}]
@@ -38,14 +39,16 @@ def generate(model, **engine_overrides):
     from vllm_evict.engine.worker import STATE
     from vllm_evict.testing.engines import make_llm
 
-    modes = []  # (mode, plan has compacted rows, plan has per-head rows) of every real step
+    from vllm_evict.engine.worker import PerHeadDecodeBatch
+
+    modes = []  # (mode, plan has compacted rows, plan has per-head rows, per-head graph) of every real step
     hooked = CudagraphDispatcher.dispatch
 
     def recording(self, *args, **kwargs):
         mode, desc = hooked(self, *args, **kwargs)
         plan = STATE.plan
         if plan is not None:
-            modes.append((mode, bool(plan.compacted_rows), plan.per_head))
+            modes.append((mode, bool(plan.compacted_rows), plan.per_head, isinstance(desc, PerHeadDecodeBatch)))
         return mode, desc
 
     CudagraphDispatcher.dispatch = recording
@@ -61,16 +64,20 @@ def generate(model, **engine_overrides):
         CudagraphDispatcher.dispatch = hooked
         gc.collect()
         torch.cuda.empty_cache()
-    return outs, [(m == CUDAGraphMode.FULL, c, p) for m, c, p in modes]
+    return outs, [(m == CUDAGraphMode.FULL, c, p, g) for m, c, p, g in modes]
 
 
 def test_full_graphs_match_eager(tiny_llama, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # dispatcher runs in this process
     graphs, modes = generate(tiny_llama)
     eager, _ = generate(tiny_llama, enforce_eager=True)
-    summary = {k: modes.count(k) for k in set(modes)}  # (FULL?, compacted rows?, per-head rows?) -> steps
-    assert any(full and compacted for full, compacted, _ in modes), f"no FULL graph step with compacted rows: {summary}"
-    assert not any(full and per_head for full, _, per_head in modes), f"per-head step ran as a FULL graph: {summary}"
+    summary = {k: modes.count(k) for k in set(modes)}  # (FULL?, compacted?, per-head rows?, per-head graph?) -> steps
+    assert any(full and compacted and not per_head for full, compacted, per_head, _ in modes), \
+        f"no stock FULL graph step with compacted rows: {summary}"
+    assert any(full and per_head and graph for full, _, per_head, graph in modes), \
+        f"no per-head FULL graph step: {summary}"
+    assert all(graph == (full and per_head) for full, _, per_head, graph in modes), \
+        f"per-head graph for a step without per-head rows, or a FULL step with per-head rows in a stock graph: {summary}"
     for i, (a, b) in enumerate(zip(graphs, eager)):
         ga, gb = a.outputs[0], b.outputs[0]
         assert len(ga.token_ids) == len(gb.token_ids)

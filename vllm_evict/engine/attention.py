@@ -3,7 +3,9 @@
 Stock behaviour unless the step's plan says otherwise:
 - window capture: copy the query rows of the last w prompt positions of evicting requests;
 - per-head path (batch holds Ada-KV-compacted requests): every request row becomes H_kv virtual
-  sequences with their own page tables (see per_head.py) - KV write and attention both go through it;
+  sequences with their own page tables (see per_head.py) - KV write and attention both go through it.
+  Uniform decode steps run it inside FULL CUDA graphs of their own (worker.PerHeadDecodeBatch), with
+  tables computed on device from persistent buffers; other steps build the tables eagerly;
   uniformly compacted requests need nothing here (the worker shifted their lengths and slots);
 - compaction: after this layer's attention, score and compact the requests whose chunk ended at
   their eviction point (compaction.py).
@@ -19,7 +21,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from vllm_evict.engine import per_head
 from vllm_evict.engine.compaction import compaction_slots, plan_compaction
-from vllm_evict.engine.worker import STATE
+from vllm_evict.engine.worker import STATE, per_head_graph_step
 
 
 DUMP_DIR = os.environ.get("VLLM_EVICT_DUMP_KEEP")
@@ -37,15 +39,23 @@ class EvictionAttentionMixin:
     def _per_head_attention(self, q, cache, qsl, seq_lens, block_table, max_query_len, max_seq_len, out):
         raise NotImplementedError
 
+    def _per_head_graph_forward(self, layer_idx, query, key, value, cache, attn_metadata, output) -> None:
+        raise NotImplementedError  # only backends with FULL decode graphs
+
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         plan = STATE.plan
-        if plan is None or not plan.per_head or self.kv_sharing_target_layer_name is not None:
+        per_head = per_head_graph_step() or (plan is not None and plan.per_head)
+        if not per_head or self.kv_sharing_target_layer_name is not None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         # Per-head slots need this layer's tables, built in forward(); the write happens there.
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         plan = STATE.plan
+        if attn_metadata is not None and per_head_graph_step():  # captured once, replayed: no plan read
+            self._per_head_graph_forward(extract_layer_index(layer.layer_name), query, key, value,
+                                         self._cached_paged_cache(layer, kv_cache), attn_metadata, output)
+            return output
         if attn_metadata is None or plan is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)

@@ -18,6 +18,8 @@ from vllm.v1.attention.backends.flash_attn import (
 from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, reshape_and_cache_flash
 
 from vllm_evict.engine.attention import EvictionAttentionMixin
+from vllm_evict.engine.per_head import DecodeGraphTables
+from vllm_evict.engine.worker import STATE
 
 
 class CudaPagedCache:
@@ -55,18 +57,59 @@ class EvictFlashAttentionImpl(EvictionAttentionMixin, FlashAttentionImpl):
     def _stock_attention(self, layer, query, key, value, kv_cache, md, output) -> None:
         FlashAttentionImpl.forward(self, layer, query, key, value, kv_cache, md, output)
 
-    def _per_head_attention(self, q, cache, qsl, seq_lens, block_table, max_query_len, max_seq_len, out):
+    def _per_head_attention(self, q, cache, qsl, seq_lens, block_table, max_query_len, max_seq_len, out,
+                            num_splits=0):
         flash_attn_varlen_func(
             q=q, k=cache.key_pages, v=cache.value_pages, out=out, cu_seqlens_q=qsl, max_seqlen_q=max_query_len,
             seqused_k=seq_lens, max_seqlen_k=max_seq_len, softmax_scale=self.scale, causal=True,
             alibi_slopes=None, window_size=None, block_table=block_table, softcap=self.logits_soft_cap,
-            scheduler_metadata=None, fa_version=self.vllm_flash_attn_version)
+            scheduler_metadata=None, fa_version=self.vllm_flash_attn_version, num_splits=num_splits)
+
+    def _per_head_graph_forward(self, layer_idx, query, key, value, cache, md, output) -> None:
+        """Uniform decode step as per-head virtual sequences, captured in (and replayed from) a FULL
+        graph: tables from DecodeGraphTables' persistent buffers, nothing read from the host."""
+        tables: DecodeGraphTables = md.per_head_decode
+        H, g, D = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size
+        num_rows = md.seq_lens.shape[0]
+        n = num_rows * md.max_query_len
+        pages, lens, slots = tables.layer(layer_idx, md.block_table, md.seq_lens)
+        if self.kv_sharing_target_layer_name is None:
+            cache.write_pages(key[:n].reshape(n * H, D), value[:n].reshape(n * H, D), slots.view(-1))
+        q = query[:n].view(n, H, g, D).transpose(0, 1).reshape(H * n, g, D)
+        out = torch.empty_like(q)
+        # Split the KV of each virtual sequence only while there are few of them (FA3's own threshold for
+        # dynamic splits); beyond that the sequences alone fill the GPU.
+        num_splits = md.max_num_splits if H * num_rows <= 992 else 1
+        self._per_head_attention(q, cache, tables.query_start[: H * num_rows + 1], lens, pages, md.max_query_len,
+                                 md.max_seq_len, out, num_splits=num_splits)
+        output[:n].view(n, H, g, D).copy_(out.view(H, n, g, D).transpose(0, 1))
 
 
 class EvictFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
     # FlashAttention's own CUDA-graph support: a FULL graph replays the stock attention, which is right
     # for every step whose plan needs no attention call (worker.py's dispatcher hook keeps the others
     # off FULL graphs).
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.per_head_decode = None
+        if self.use_full_cuda_graph:  # the per-head FULL decode graphs (worker.py) read these tables
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            page = kv_cache_spec.block_size
+            self.per_head_decode = DecodeGraphTables(
+                num_layers=max(extract_layer_index(name) for name in layer_names) + 1,
+                max_rows=vllm_config.scheduler_config.max_num_seqs, num_heads=kv_cache_spec.num_kv_heads,
+                max_pages=-(-vllm_config.model_config.max_model_len // page) + 1,
+                query_len=1 + vllm_config.num_speculative_tokens, page_size=page, device=device)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        md.per_head_decode = self.per_head_decode
+        plan = STATE.plan
+        if self.per_head_decode is not None and plan is not None and plan.per_head:
+            self.per_head_decode.load(plan)
+        return md
 
     def use_cascade_attention(self, *args, **kwargs) -> bool:
         return False  # cascade assumes shared leading blocks; compacted requests own private ones

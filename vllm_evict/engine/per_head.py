@@ -180,3 +180,62 @@ def virtual_tables(plan, layer: int, block_table: torch.Tensor, seq_lens: torch.
     step.slots.index_copy_(0, batch.tokens, batch.slots[layer])
     return VirtualTables(pages=step.pages, shift=step.shift[layer],
                          seq_lens=step.seq_lens[layer].view(num_heads, -1), slots=step.slots)
+
+
+class DecodeGraphTables:
+    """Persistent per-head decode tables for FULL CUDA graphs (kernels/per_head_tables.py).
+
+    Owned by the CUDA metadata builder (one per KV-cache group). Every buffer is allocated once, so a
+    captured decode graph reads and writes the same addresses on every replay:
+    - per-row inputs fresh [R] and counts / kept [L, R, H] (int32), zero for rows without per-head
+      pages, rewritten by `load` only when the batch's per-head rows change (new requests, or rows moved);
+    - per-layer outputs (pages, lens, token slots), recomputed on device inside the graph by one kernel
+      per layer from vLLM's block table and (worker-shifted) seq_lens.
+    """
+
+    def __init__(self, num_layers: int, max_rows: int, num_heads: int, max_pages: int, query_len: int,
+                 page_size: int, device: torch.device):
+        self.num_heads, self.max_pages, self.page_size, self.query_len = num_heads, max_pages, page_size, query_len
+        zeros = dict(dtype=torch.int32, device=device)
+        self.fresh = torch.zeros(max_rows, **zeros)
+        self.counts = torch.zeros(num_layers, max_rows, num_heads, **zeros)
+        self.kept = torch.zeros(num_layers, max_rows, num_heads, **zeros)
+        self.pages = torch.zeros(num_heads * max_rows * max_pages, **zeros)
+        self.lens = torch.zeros(num_heads * max_rows, **zeros)
+        self.slots = torch.zeros(max_rows * query_len, num_heads, dtype=torch.int64, device=device)
+        self.query_start = torch.arange(num_heads * max_rows + 1, **zeros) * query_len
+        self.rows_key: tuple | None = None
+        self.layer(0, torch.zeros(1, 1, **zeros), torch.zeros(1, **zeros))  # compile before graph capture
+
+    @property
+    def max_rows(self) -> int:
+        return self.fresh.shape[0]
+
+    def load(self, plan) -> None:
+        """Per-row inputs of the step's per-head rows; host work only when those rows changed."""
+        key = tuple((r, plan.states[r].serial) for r in plan.per_head_rows)
+        if key == self.rows_key or plan.num_reqs > self.max_rows:
+            return
+        device = self.fresh.device
+        counts, kept = stacked_rows(plan, device)                       # [L, H, Rc] int64
+        rows = host_to_device(plan.per_head_rows, device)
+        for buffer in (self.fresh, self.counts, self.kept):
+            buffer.zero_()
+        self.fresh.index_copy_(0, rows, host_to_device([plan.states[r].pages for r in plan.per_head_rows],
+                                                       device).to(torch.int32))
+        num_layers = counts.shape[0]
+        self.counts[:num_layers].index_copy_(1, rows, counts.transpose(1, 2).to(torch.int32))
+        self.kept[:num_layers].index_copy_(1, rows, kept.transpose(1, 2).to(torch.int32))
+        self.rows_key = key
+
+    def layer(self, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor):
+        """(pages [H*R, max_pages], lens [H*R], slots [R*q, H]) of one layer for the R rows of seq_lens."""
+        from kernels.per_head_tables import decode_tables
+
+        num_rows, heads = seq_lens.shape[0], self.num_heads
+        pages = self.pages[: heads * num_rows * self.max_pages].view(heads, num_rows, self.max_pages)
+        lens = self.lens[: heads * num_rows].view(heads, num_rows)
+        slots = self.slots[: num_rows * self.query_len]
+        decode_tables(block_table, seq_lens, self.fresh[:num_rows], self.counts[layer, :num_rows],
+                      self.kept[layer, :num_rows], self.query_len, self.page_size, pages, lens, slots)
+        return pages.view(heads * num_rows, self.max_pages), lens.view(-1), slots

@@ -7,16 +7,20 @@ The runner hooks wrap three `GPUModelRunner` methods (the CPU runner inherits th
 - `_prepare_inputs`: build the StepPlan for this batch (row order is final here) and shift the
   compacted rows' attention lengths and KV slots;
 - `execute_model`: clear the plan when the forward is done.
-and `CudagraphDispatcher.dispatch`, so that only steps that need the attention call skip FULL graphs.
+and the CUDA-graph dispatcher: steps that need the attention call (window capture, compaction, eager
+per-head tables) skip FULL graphs; uniform decode steps with per-head (Ada-KV) rows replay FULL graphs
+of their own, keyed by `PerHeadDecodeBatch` and captured next to vLLM's decode graphs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
 
 import torch
+from vllm.forward_context import BatchDescriptor, get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
 
 from vllm_evict.engine.compaction import LayerCompaction
@@ -84,8 +88,19 @@ class StepPlan:
 
     @property
     def needs_eager_attention(self) -> bool:
-        """Window capture, compaction and per-head attention run in the attention call: no FULL graph."""
-        return bool(self.captures or self.compacting or self.per_head_rows)
+        """Window capture and compaction run in the attention call: no FULL graph."""
+        return bool(self.captures or self.compacting)
+
+
+class PerHeadDecodeBatch(BatchDescriptor):
+    """The key of a FULL decode graph whose attention runs per (request, KV head): a distinct key from
+    the stock graph of the same size (dataclass equality compares classes), same fields."""
+
+
+def per_head_graph_step() -> bool:
+    """Whether this forward is a per-head FULL decode graph (being captured: the plan is not read)."""
+    return is_forward_context_available() and isinstance(get_forward_context().batch_descriptor,
+                                                         PerHeadDecodeBatch)
 
 
 class WorkerEvictionState:
@@ -98,6 +113,7 @@ class WorkerEvictionState:
         self.plan: StepPlan | None = None
         self.latency = CompactionTimer()
         self.step_cache: dict = {}               # per_head's cross-step cache (StepPlan.cache)
+        self.capturing_per_head = False          # capturing a PerHeadDecodeBatch graph
 
     def attach_report(self, output):
         """Send compaction latencies to the scheduler on a ModelRunnerOutput (an attribute survives
@@ -321,6 +337,8 @@ def install_runner_hooks() -> None:
     orig_sample = GPUModelRunner.sample_tokens
     orig_block_table_init = MultiGroupBlockTable.__init__
     orig_dispatch = CudagraphDispatcher.dispatch
+    orig_init_keys = CudagraphDispatcher.initialize_cudagraph_keys
+    orig_warmup_and_capture = GPUModelRunner._warmup_and_capture
     orig_kernel_warmup = gpu_worker.kernel_warmup
 
     def _update_states(self, scheduler_output):
@@ -351,11 +369,33 @@ def install_runner_hooks() -> None:
         orig_block_table_init(self, *args, **kwargs)
 
     def dispatch(self, *args, invalid_modes=None, **kwargs):
-        # A step that captures window queries, compacts or runs per-head attention needs the attention
-        # call to run (PIECEWISE or eager); every other step keeps vLLM's choice, FULL graphs included.
-        if STATE.plan is not None and STATE.plan.needs_eager_attention:
+        # A step that captures window queries or compacts needs the attention call to run (PIECEWISE or
+        # eager). A step with per-head rows replays a per-head FULL graph if vLLM picked a FULL decode
+        # graph, else runs PIECEWISE or eager too. Every other step keeps vLLM's choice.
+        plan = STATE.plan
+        per_head = STATE.capturing_per_head or (plan is not None and plan.per_head)
+        if plan is not None and plan.needs_eager_attention:
             invalid_modes = set(invalid_modes or ()) | {CUDAGraphMode.FULL}
-        return orig_dispatch(self, *args, invalid_modes=invalid_modes, **kwargs)
+        mode, desc = orig_dispatch(self, *args, invalid_modes=invalid_modes, **kwargs)
+        if per_head and mode == CUDAGraphMode.FULL:
+            if desc.uniform:
+                return mode, PerHeadDecodeBatch(**dataclasses.asdict(desc))
+            invalid_modes = set(invalid_modes or ()) | {CUDAGraphMode.FULL}
+            return orig_dispatch(self, *args, invalid_modes=invalid_modes, **kwargs)
+        return mode, desc
+
+    def initialize_cudagraph_keys(self, *args, **kwargs):
+        orig_init_keys(self, *args, **kwargs)
+        for desc in list(self.cudagraph_keys[CUDAGraphMode.FULL]):
+            if desc.uniform:
+                self.add_cudagraph_key(CUDAGraphMode.FULL, PerHeadDecodeBatch(**dataclasses.asdict(desc)))
+
+    def _warmup_and_capture(self, desc, *args, **kwargs):
+        STATE.capturing_per_head = isinstance(desc, PerHeadDecodeBatch)
+        try:
+            return orig_warmup_and_capture(self, desc, *args, **kwargs)
+        finally:
+            STATE.capturing_per_head = False
 
     def kernel_warmup(worker):
         orig_kernel_warmup(worker)
@@ -367,5 +407,7 @@ def install_runner_hooks() -> None:
     GPUModelRunner.sample_tokens = sample_tokens
     MultiGroupBlockTable.__init__ = block_table_init
     CudagraphDispatcher.dispatch = dispatch
+    CudagraphDispatcher.initialize_cudagraph_keys = initialize_cudagraph_keys
+    GPUModelRunner._warmup_and_capture = _warmup_and_capture
     gpu_worker.kernel_warmup = kernel_warmup
     GPUModelRunner._vllm_evict_hooked = True

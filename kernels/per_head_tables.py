@@ -1,0 +1,113 @@
+"""Per-(request, KV head) decode tables of one layer, on device, for FULL CUDA graphs.
+
+A batch row r becomes H virtual sequences (h, r), ordered head-major. Row r's virtual sequence for
+head h reads, in order: its kept pages of this layer (flat slots [start_h, start_h + p_h) of the row's
+first P blocks, flat slot s = slot `s // P` of block `s % P`; vllm_evict/engine/compaction.py) and
+then slot h of the row's later blocks. A row with P = 0 (not compacted, or compacted with the stock
+layout) is the stock layout: slot h of every block. Everything is read from persistent buffers and
+written in place, so the kernel can be captured once and replayed every step.
+
+Inputs (R rows, H KV heads, W block-table columns, q tokens per row, page = tokens per page):
+    block_table [R, W] int32   vLLM's block ids
+    seq_lens    [R]    int32   attention lengths (compacted rows already lowered by E - P*page); 0 = padding
+    fresh       [R]    int32   P of rows with per-head pages, else 0
+    counts      [R, H] int32   p_h (pages of head h, this layer); 0 where fresh is 0
+    kept        [R, H] int32   kept prompt tokens of head h, this layer; 0 where fresh is 0
+Outputs:
+    pages [H, R, Wv] int32     page ids (block * H + slot); columns past a sequence's length untouched
+    lens  [H, R]     int32     virtual lengths seq_len - P*page + kept_h (0 for padding rows)
+    slots [R*q, H]   int64     cache slot (page * page_size + offset) of the row's q scheduled tokens,
+                               the last q positions of the row; -1 for padding rows
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _page_ids(col, count_h, start_h, fresh, h):
+    """(block-table column, slot in that block) of page `col` of virtual sequence h."""
+    in_kept = col < count_h
+    flat = start_h + col
+    divisor = tl.maximum(fresh, 1)
+    block_col = tl.where(in_kept, flat % divisor, fresh + col - count_h)
+    slot = tl.where(in_kept, flat // divisor, h)
+    return block_col, slot
+
+
+@triton.jit(do_not_specialize=["num_rows", "query_len"])
+def _decode_tables_kernel(block_table, seq_lens, fresh, counts, kept, pages, lens, slots,
+                          num_rows, query_len, stride_bt, stride_pages,
+                          NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
+                          BLOCK_C: tl.constexpr, BLOCK_Q: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens + r)
+    p = tl.load(fresh + r)
+    heads = tl.arange(0, BLOCK_H)
+    row_counts = tl.load(counts + r * NUM_HEADS + heads, mask=heads < NUM_HEADS, other=0)
+    start_h = tl.sum(tl.where(heads < h, row_counts, 0))
+    count_h = tl.load(counts + r * NUM_HEADS + h)
+    kept_h = tl.load(kept + r * NUM_HEADS + h)
+    vlen = tl.where(seq_len > 0, seq_len - p * PAGE + kept_h, 0)
+    tl.store(lens + h * num_rows + r, vlen)
+    row_table = block_table + r * stride_bt
+    out = pages + (h * num_rows + r).to(tl.int64) * stride_pages
+    num_pages = tl.cdiv(vlen, PAGE)
+    for c0 in range(0, num_pages, BLOCK_C):
+        col = c0 + tl.arange(0, BLOCK_C)
+        valid = col < num_pages
+        block_col, slot = _page_ids(col, count_h, start_h, p, h)
+        block = tl.load(row_table + block_col, mask=valid, other=0)
+        tl.store(out + col, block * NUM_HEADS + slot, mask=valid)
+    # The row's scheduled tokens are its last query_len positions.
+    i = tl.arange(0, BLOCK_Q)
+    vpos = vlen - query_len + i
+    block_col, slot = _page_ids(vpos // PAGE, count_h, start_h, p, h)
+    valid = i < query_len
+    block = tl.load(row_table + block_col, mask=valid & (vlen > 0), other=0)
+    cache_slot = (block.to(tl.int64) * NUM_HEADS + slot) * PAGE + vpos % PAGE
+    cache_slot = tl.where(vlen > 0, cache_slot, -1)
+    tl.store(slots + (r * query_len + i).to(tl.int64) * NUM_HEADS + h, cache_slot, mask=valid)
+
+
+def decode_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, fresh: torch.Tensor, counts: torch.Tensor,
+                  kept: torch.Tensor, query_len: int, page_size: int, pages: torch.Tensor, lens: torch.Tensor,
+                  slots: torch.Tensor) -> None:
+    """Fill pages / lens / slots in place (shapes in the module docstring). One launch, no host sync."""
+    num_rows, num_heads = counts.shape
+    assert pages.shape[:2] == (num_heads, num_rows) and pages.stride(-1) == 1
+    assert lens.shape == (num_heads, num_rows) and slots.shape == (num_rows * query_len, num_heads)
+    assert block_table.stride(-1) == 1 and counts.is_contiguous() and kept.is_contiguous()
+    _decode_tables_kernel[(num_rows, num_heads)](
+        block_table, seq_lens, fresh, counts, kept, pages, lens, slots, num_rows, query_len,
+        block_table.stride(0), pages.stride(1), NUM_HEADS=num_heads, PAGE=page_size,
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_C=128, BLOCK_Q=triton.next_power_of_2(query_len))
+
+
+def decode_tables_reference(block_table, seq_lens, fresh, counts, kept, query_len: int, page_size: int):
+    """The same tables, one (row, head, page) at a time: (pages as lists [H][R], lens [H, R], slots [R*q, H])."""
+    num_rows, num_heads = counts.shape
+    page_lists = [[[] for _ in range(num_rows)] for _ in range(num_heads)]
+    lens = torch.zeros(num_heads, num_rows, dtype=torch.int32)
+    slots = torch.full((num_rows * query_len, num_heads), -1, dtype=torch.int64)
+    for r in range(num_rows):
+        blocks = [int(b) for b in block_table[r]]
+        p = int(fresh[r])
+        for h in range(num_heads):
+            if int(seq_lens[r]) == 0:
+                continue
+            count, start = int(counts[r, h]), int(counts[r, :h].sum())
+            vlen = int(seq_lens[r]) - p * page_size + int(kept[r, h])
+            kept_pages = [blocks[s % p] * num_heads + s // p for s in range(start, start + count)]
+            tail = [b * num_heads + h for b in blocks[p:]]
+            page_list = (kept_pages + tail)[: -(-vlen // page_size)]
+            page_lists[h][r] = page_list
+            lens[h, r] = vlen
+            for i in range(query_len):
+                vpos = vlen - query_len + i
+                slots[r * query_len + i, h] = page_list[vpos // page_size] * page_size + vpos % page_size
+    return page_lists, lens, slots
