@@ -34,24 +34,24 @@ def prompts():
 def generate(model, **engine_overrides):
     from vllm import SamplingParams
     from vllm.config import CUDAGraphMode
-    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_evict.engine.worker import STATE
+    from vllm_evict.engine.worker import STATE, PerHeadDecodeBatch
     from vllm_evict.testing.engines import make_llm
 
-    from vllm_evict.engine.worker import PerHeadDecodeBatch
-
     modes = []  # (mode, plan has compacted rows, plan has per-head rows, per-head graph) of every real step
-    hooked = CudagraphDispatcher.dispatch
+    # Recorded where the runner receives the dispatcher's final answer (after the plugin's hooks).
+    hooked = GPUModelRunner._determine_batch_execution_and_padding
 
     def recording(self, *args, **kwargs):
-        mode, desc = hooked(self, *args, **kwargs)
+        result = hooked(self, *args, **kwargs)
+        mode, desc = result[0], result[1]
         plan = STATE.plan
         if plan is not None:
             modes.append((mode, bool(plan.compacted_rows), plan.per_head, isinstance(desc, PerHeadDecodeBatch)))
-        return mode, desc
+        return result
 
-    CudagraphDispatcher.dispatch = recording
+    GPUModelRunner._determine_batch_execution_and_padding = recording
     try:
         llm = make_llm(model, dtype="bfloat16", block_size=PAGE, max_model_len=2048, kv_cache_memory_bytes=1 << 30,
                        max_num_seqs=16, seed=0, **engine_overrides)
@@ -61,7 +61,7 @@ def generate(model, **engine_overrides):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params)
         del llm
     finally:
-        CudagraphDispatcher.dispatch = hooked
+        GPUModelRunner._determine_batch_execution_and_padding = hooked
         gc.collect()
         torch.cuda.empty_cache()
     return outs, [(m == CUDAGraphMode.FULL, c, p, g) for m, c, p, g in modes]
