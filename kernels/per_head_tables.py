@@ -1,6 +1,7 @@
 """Per-(request, KV head) decode tables of one layer, on device, for FULL CUDA graphs.
 
-A batch row r becomes H virtual sequences (h, r), ordered head-major. Row r's virtual sequence for
+A batch row r becomes H virtual sequences (r, h), ordered row-major: for one decode token per row the
+queries [R, H, g, D] are already the virtual sequences' queries, with no reorder copy. Row r's virtual sequence for
 head h reads, in order: its kept pages of this layer (flat slots [start_h, start_h + p_h) of the row's
 first P blocks, flat slot s = slot `s // P` of block `s % P`; vllm_evict/engine/compaction.py) and
 then slot h of the row's later blocks. A row with P = 0 (not compacted, or compacted with the stock
@@ -14,8 +15,8 @@ Inputs (R rows, H KV heads, W block-table columns, q tokens per row, page = toke
     counts      [R, H] int32   p_h (pages of head h, this layer); 0 where fresh is 0
     kept        [R, H] int32   kept prompt tokens of head h, this layer; 0 where fresh is 0
 Outputs:
-    pages [H, R, Wv] int32     page ids (block * H + slot); columns past a sequence's length untouched
-    lens  [H, R]     int32     virtual lengths seq_len - P*page + kept_h (0 for padding rows)
+    pages [R, H, Wv] int32     page ids (block * H + slot); columns past a sequence's length untouched
+    lens  [R, H]     int32     virtual lengths seq_len - P*page + kept_h (0 for padding rows)
     slots [R*q, H]   int64     cache slot (page * page_size + offset) of the row's q scheduled tokens,
                                the last q positions of the row; -1 for padding rows
 """
@@ -53,9 +54,9 @@ def _decode_tables_kernel(block_table, seq_lens, fresh, counts, kept, pages, len
     count_h = tl.load(counts + r * NUM_HEADS + h)
     kept_h = tl.load(kept + r * NUM_HEADS + h)
     vlen = tl.where(seq_len > 0, seq_len - p * PAGE + kept_h, 0)
-    tl.store(lens + h * num_rows + r, vlen)
+    tl.store(lens + r * NUM_HEADS + h, vlen)
     row_table = block_table + r * stride_bt
-    out = pages + (h * num_rows + r).to(tl.int64) * stride_pages
+    out = pages + (r * NUM_HEADS + h).to(tl.int64) * stride_pages
     num_pages = tl.cdiv(vlen, PAGE)
     for c0 in range(0, num_pages, BLOCK_C):
         col = c0 + tl.arange(0, BLOCK_C)
@@ -79,8 +80,8 @@ def decode_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, fresh: torc
                   slots: torch.Tensor) -> None:
     """Fill pages / lens / slots in place (shapes in the module docstring). One launch, no host sync."""
     num_rows, num_heads = counts.shape
-    assert pages.shape[:2] == (num_heads, num_rows) and pages.stride(-1) == 1
-    assert lens.shape == (num_heads, num_rows) and slots.shape == (num_rows * query_len, num_heads)
+    assert pages.shape[:2] == (num_rows, num_heads) and pages.stride(-1) == 1 and lens.is_contiguous()
+    assert lens.shape == (num_rows, num_heads) and slots.shape == (num_rows * query_len, num_heads)
     assert block_table.stride(-1) == 1 and counts.is_contiguous() and kept.is_contiguous()
     _decode_tables_kernel[(num_rows, num_heads)](
         block_table, seq_lens, fresh, counts, kept, pages, lens, slots, num_rows, query_len,
@@ -89,10 +90,10 @@ def decode_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, fresh: torc
 
 
 def decode_tables_reference(block_table, seq_lens, fresh, counts, kept, query_len: int, page_size: int):
-    """The same tables, one (row, head, page) at a time: (pages as lists [H][R], lens [H, R], slots [R*q, H])."""
+    """The same tables, one (row, head, page) at a time: (pages as lists [R][H], lens [R, H], slots [R*q, H])."""
     num_rows, num_heads = counts.shape
-    page_lists = [[[] for _ in range(num_rows)] for _ in range(num_heads)]
-    lens = torch.zeros(num_heads, num_rows, dtype=torch.int32)
+    page_lists = [[[] for _ in range(num_heads)] for _ in range(num_rows)]
+    lens = torch.zeros(num_rows, num_heads, dtype=torch.int32)
     slots = torch.full((num_rows * query_len, num_heads), -1, dtype=torch.int64)
     for r in range(num_rows):
         blocks = [int(b) for b in block_table[r]]
@@ -105,8 +106,8 @@ def decode_tables_reference(block_table, seq_lens, fresh, counts, kept, query_le
             kept_pages = [blocks[s % p] * num_heads + s // p for s in range(start, start + count)]
             tail = [b * num_heads + h for b in blocks[p:]]
             page_list = (kept_pages + tail)[: -(-vlen // page_size)]
-            page_lists[h][r] = page_list
-            lens[h, r] = vlen
+            page_lists[r][h] = page_list
+            lens[r, h] = vlen
             for i in range(query_len):
                 vpos = vlen - query_len + i
                 slots[r * query_len + i, h] = page_list[vpos // page_size] * page_size + vpos % page_size

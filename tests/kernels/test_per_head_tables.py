@@ -52,16 +52,16 @@ def check(device: str, seed: int) -> None:
         width = 12
         inputs = random_batch(gen, num_rows, num_heads, query_len, width)
         ref_pages, ref_lens, ref_slots = decode_tables_reference(*inputs, query_len, PAGE)
-        pages = torch.full((num_heads, num_rows, width + 4), -7, dtype=torch.int32, device=device)
-        lens = torch.full((num_heads, num_rows), -7, dtype=torch.int32, device=device)
+        pages = torch.full((num_rows, num_heads, width + 4), -7, dtype=torch.int32, device=device)
+        lens = torch.full((num_rows, num_heads), -7, dtype=torch.int32, device=device)
         slots = torch.full((num_rows * query_len, num_heads), -7, dtype=torch.int64, device=device)
         decode_tables(*(t.to(device) for t in inputs), query_len, PAGE, pages, lens, slots)
         assert torch.equal(lens.cpu(), ref_lens), (lens, ref_lens)
         assert torch.equal(slots.cpu(), ref_slots), (slots, ref_slots)
         for h in range(num_heads):
             for r in range(num_rows):
-                got = pages[h, r, : len(ref_pages[h][r])].cpu().tolist()
-                assert got == ref_pages[h][r], (h, r, got, ref_pages[h][r])
+                got = pages[r, h, : len(ref_pages[r][h])].cpu().tolist()
+                assert got == ref_pages[r][h], (r, h, got, ref_pages[r][h])
 
 
 def test_reference_rule_by_hand():
@@ -76,8 +76,8 @@ def test_reference_rule_by_hand():
     pages, lens, slots = decode_tables_reference(block_table, seq_lens, fresh, counts, kept, 1, PAGE)
     # flat slots 0..2 (head 0) = (block 10, slot 0), (11, 0), (10, 1); flat slot 3 (head 1) = (11, 1)
     assert pages[0][0] == [10 * 2 + 0, 11 * 2 + 0, 10 * 2 + 1, 12 * 2 + 0]
-    assert pages[1][0] == [11 * 2 + 1, 12 * 2 + 1]
-    assert lens.tolist() == [[3 * PAGE + 5], [PAGE + 5]]
+    assert pages[0][1] == [11 * 2 + 1, 12 * 2 + 1]
+    assert lens.tolist() == [[3 * PAGE + 5, PAGE + 5]]
     assert slots.tolist() == [[(12 * 2 + 0) * PAGE + 4, (12 * 2 + 1) * PAGE + 4]]
 
 

@@ -66,23 +66,20 @@ class EvictFlashAttentionImpl(EvictionAttentionMixin, FlashAttentionImpl):
             scheduler_metadata=None, fa_version=self.vllm_flash_attn_version, num_splits=num_splits)
 
     def _per_head_graph_forward(self, layer_idx, query, key, value, cache, md, output) -> None:
-        """Uniform decode step as per-head virtual sequences, captured in (and replayed from) a FULL
-        graph: tables from DecodeGraphTables' persistent buffers, nothing read from the host."""
+        """Decode step (one token per row) as per-head virtual sequences, captured in and replayed from a
+        FULL graph: tables from DecodeGraphTables' persistent buffers, nothing read from the host."""
         tables: DecodeGraphTables = md.per_head_decode
         H, g, D = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size
-        num_rows = md.seq_lens.shape[0]
-        n = num_rows * md.max_query_len
+        n = md.seq_lens.shape[0]
         pages, lens, slots = tables.layer(layer_idx, md.block_table, md.seq_lens)
         if self.kv_sharing_target_layer_name is None:
-            cache.write_pages(key[:n].reshape(n * H, D), value[:n].reshape(n * H, D), slots.view(-1))
-        q = query[:n].view(n, H, g, D).transpose(0, 1).reshape(H * n, g, D)
-        out = torch.empty_like(q)
+            cache.write_pages(key[:n].reshape(n * H, D), value[:n].reshape(n * H, D), slots)
         # Split the KV of each virtual sequence only while there are few of them (FA3's own threshold for
         # dynamic splits); beyond that the sequences alone fill the GPU.
-        num_splits = md.max_num_splits if H * num_rows <= 992 else 1
-        self._per_head_attention(q, cache, tables.query_start[: H * num_rows + 1], lens, pages, md.max_query_len,
-                                 md.max_seq_len, out, num_splits=num_splits)
-        output[:n].view(n, H, g, D).copy_(out.view(H, n, g, D).transpose(0, 1))
+        num_splits = md.max_num_splits if n * H <= 992 else 1
+        # q is a strided view of the fused QKV projection: one copy; the output is written in place.
+        self._per_head_attention(query[:n].reshape(n * H, g, D), cache, tables.query_start[: n * H + 1], lens, pages,
+                                 1, md.max_seq_len, output[:n].view(n * H, g, D), num_splits=num_splits)
 
 
 class EvictFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
@@ -93,15 +90,15 @@ class EvictFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.per_head_decode = None
-        if self.use_full_cuda_graph:  # the per-head FULL decode graphs (worker.py) read these tables
+        # The per-head FULL decode graphs (worker.py; one token per row, so no speculative decoding)
+        if self.use_full_cuda_graph and vllm_config.num_speculative_tokens == 0:
             from vllm.model_executor.models.utils import extract_layer_index
 
             page = kv_cache_spec.block_size
             self.per_head_decode = DecodeGraphTables(
                 num_layers=max(extract_layer_index(name) for name in layer_names) + 1,
                 max_rows=vllm_config.scheduler_config.max_num_seqs, num_heads=kv_cache_spec.num_kv_heads,
-                max_pages=-(-vllm_config.model_config.max_model_len // page) + 1,
-                query_len=1 + vllm_config.num_speculative_tokens, page_size=page, device=device)
+                max_pages=-(-vllm_config.model_config.max_model_len // page) + 1, page_size=page, device=device)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)

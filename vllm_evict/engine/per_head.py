@@ -183,7 +183,9 @@ def virtual_tables(plan, layer: int, block_table: torch.Tensor, seq_lens: torch.
 
 
 class DecodeGraphTables:
-    """Persistent per-head decode tables for FULL CUDA graphs (kernels/per_head_tables.py).
+    """Persistent per-head decode tables for FULL CUDA graphs (kernels/per_head_tables.py), for decode
+    steps of one token per row: virtual sequence (r, h) is query row r*H + h, so queries and outputs
+    need no reorder.
 
     Owned by the CUDA metadata builder (one per KV-cache group). Every buffer is allocated once, so a
     captured decode graph reads and writes the same addresses on every replay:
@@ -193,17 +195,17 @@ class DecodeGraphTables:
       per layer from vLLM's block table and (worker-shifted) seq_lens.
     """
 
-    def __init__(self, num_layers: int, max_rows: int, num_heads: int, max_pages: int, query_len: int,
-                 page_size: int, device: torch.device):
-        self.num_heads, self.max_pages, self.page_size, self.query_len = num_heads, max_pages, page_size, query_len
+    def __init__(self, num_layers: int, max_rows: int, num_heads: int, max_pages: int, page_size: int,
+                 device: torch.device):
+        self.num_heads, self.max_pages, self.page_size = num_heads, max_pages, page_size
         zeros = dict(dtype=torch.int32, device=device)
         self.fresh = torch.zeros(max_rows, **zeros)
         self.counts = torch.zeros(num_layers, max_rows, num_heads, **zeros)
         self.kept = torch.zeros(num_layers, max_rows, num_heads, **zeros)
-        self.pages = torch.zeros(num_heads * max_rows * max_pages, **zeros)
-        self.lens = torch.zeros(num_heads * max_rows, **zeros)
-        self.slots = torch.zeros(max_rows * query_len, num_heads, dtype=torch.int64, device=device)
-        self.query_start = torch.arange(num_heads * max_rows + 1, **zeros) * query_len
+        self.pages = torch.zeros(max_rows * num_heads * max_pages, **zeros)
+        self.lens = torch.zeros(max_rows, num_heads, **zeros)
+        self.slots = torch.zeros(max_rows, num_heads, dtype=torch.int64, device=device)
+        self.query_start = torch.arange(max_rows * num_heads + 1, **zeros)
         self.rows_key: tuple | None = None
         self.layer(0, torch.zeros(1, 1, **zeros), torch.zeros(1, **zeros))  # compile before graph capture
 
@@ -229,13 +231,12 @@ class DecodeGraphTables:
         self.rows_key = key
 
     def layer(self, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor):
-        """(pages [H*R, max_pages], lens [H*R], slots [R*q, H]) of one layer for the R rows of seq_lens."""
+        """(pages [R*H, max_pages], lens [R*H], slots [R*H]) of one layer for the R rows of seq_lens."""
         from kernels.per_head_tables import decode_tables
 
         num_rows, heads = seq_lens.shape[0], self.num_heads
-        pages = self.pages[: heads * num_rows * self.max_pages].view(heads, num_rows, self.max_pages)
-        lens = self.lens[: heads * num_rows].view(heads, num_rows)
-        slots = self.slots[: num_rows * self.query_len]
+        pages = self.pages[: num_rows * heads * self.max_pages].view(num_rows, heads, self.max_pages)
+        lens, slots = self.lens[:num_rows], self.slots[:num_rows]
         decode_tables(block_table, seq_lens, self.fresh[:num_rows], self.counts[layer, :num_rows],
-                      self.kept[layer, :num_rows], self.query_len, self.page_size, pages, lens, slots)
-        return pages.view(heads * num_rows, self.max_pages), lens.view(-1), slots
+                      self.kept[layer, :num_rows], 1, self.page_size, pages, lens, slots)
+        return pages.view(num_rows * heads, self.max_pages), lens.view(-1), slots.view(-1)

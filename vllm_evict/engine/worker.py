@@ -378,8 +378,9 @@ def install_runner_hooks() -> None:
             invalid_modes = set(invalid_modes or ()) | {CUDAGraphMode.FULL}
         mode, desc = orig_dispatch(self, *args, invalid_modes=invalid_modes, **kwargs)
         if per_head and mode == CUDAGraphMode.FULL:
-            if desc.uniform:
-                return mode, PerHeadDecodeBatch(**dataclasses.asdict(desc))
+            per_head_desc = PerHeadDecodeBatch(**dataclasses.asdict(desc))
+            if per_head_desc in self.cudagraph_keys[CUDAGraphMode.FULL]:
+                return mode, per_head_desc
             invalid_modes = set(invalid_modes or ()) | {CUDAGraphMode.FULL}
             return orig_dispatch(self, *args, invalid_modes=invalid_modes, **kwargs)
         return mode, desc
@@ -387,7 +388,7 @@ def install_runner_hooks() -> None:
     def initialize_cudagraph_keys(self, *args, **kwargs):
         orig_init_keys(self, *args, **kwargs)
         for desc in list(self.cudagraph_keys[CUDAGraphMode.FULL]):
-            if desc.uniform:
+            if desc.uniform and self.uniform_decode_query_len == 1:  # one token per row (per_head.py)
                 self.add_cudagraph_key(CUDAGraphMode.FULL, PerHeadDecodeBatch(**dataclasses.asdict(desc)))
 
     def _warmup_and_capture(self, desc, *args, **kwargs):
