@@ -1,198 +1,131 @@
-"""`vllm-evict serve [MODEL] [vLLM engine flags] [--default-eviction-*] [--host --port --api-key]`.
+"""`vllm-evict serve [MODEL] [every `vllm serve` flag] [--default-eviction-policy/-budget/-allocation]`.
 
-All of vLLM's engine flags (`AsyncEngineArgs.add_cli_args`) are accepted. They are added lazily, only
-when `serve` is the chosen subcommand (or its help is shown), so other `vllm-evict` subcommands do not
-pay for importing vLLM. Only the engine flags the user actually set are forwarded to
-`vllm_evict.engine.engine_kwargs`, plus CPU defaults (float32, a 1 GiB KV cache) where unset.
+Runs vLLM's own OpenAI API server (`vllm serve`), with the plugin and the engine settings eviction needs:
+* `--scheduler-cls`: the eviction scheduler (async or not, following `--async-scheduling`);
+* on CUDA, `--attention-backend FLASH_ATTN` (the plugin's FlashAttention backend);
+* on CPU, where unset: `--dtype float32`, `--block-size 16` and a 1 GiB KV cache
+  (`--kv-cache-memory-bytes`, unless VLLM_CPU_KVCACHE_SPACE is set).
+A user flag wins where it is compatible; an incompatible one (another scheduler or attention backend,
+`--api-server-count` above 1) stops with a clear message and exit status 2.
 Without MODEL the tiny local test model (`vllm_evict.testing.tiny_models`) is served as `tiny-llama`.
+
+The `--default-eviction-*` flags fill a request's missing `eviction` fields ($VLLM_EVICT_DEFAULT, read by
+the plugin's request hook, vllm_evict/engine/serving.py). Plain `vllm serve` with the same settings
+gives the same server (docs/OPERATIONS.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
+import json
 import os
 import sys
-from typing import Any
 
 TINY_MODEL_NAME = "tiny-llama"
 CPU_KV_CACHE_BYTES = 1 << 30
 
-# our own (non-engine) options: dest names
-_SERVER_DESTS = {"model_tag", "host", "port", "api_key", "default_eviction_policy", "default_eviction_budget",
-                 "default_eviction_allocation", "log_level", "root_path", "func", "command"}
-
-
-class _LazyEngineArgs:
-    """Adds vLLM's engine flags the first time the parser parses or prints help.
-
-    Until then the parser is a plain `argparse.ArgumentParser` (building the `vllm-evict` parser must not
-    import vLLM); on first use it becomes a vLLM `FlexibleArgumentParser` (needed by `add_cli_args`).
-    """
-
-    def _ensure_engine_args(self) -> None:
-        if getattr(self, "_engine_args_added", False):
-            return
-        self._engine_args_added = True
-        try:
-            from vllm.utils.argparse_utils import FlexibleArgumentParser, SortedHelpFormatter
-        except ImportError:  # vLLM missing: serve() reports it; --help still works
-            return
-        if not isinstance(self, FlexibleArgumentParser):
-            self.__class__ = _flexible_serve_parser(FlexibleArgumentParser)
-            self.add_json_tip = True
-            self.formatter_class = SortedHelpFormatter
-        add_engine_args(self)
-
-    def parse_known_args(self, args=None, namespace=None):
-        self._ensure_engine_args()
-        return super().parse_known_args(args, namespace)
-
-    def format_help(self):
-        self._ensure_engine_args()
-        return super().format_help()
-
-
-class ServeParser(_LazyEngineArgs, argparse.ArgumentParser):
-    pass
-
-
-_FLEXIBLE_CLASS: list[type] = []
-
-
-def _flexible_serve_parser(base: type) -> type:
-    if not _FLEXIBLE_CLASS:
-        _FLEXIBLE_CLASS.append(type("FlexibleServeParser", (_LazyEngineArgs, base), {}))
-    return _FLEXIBLE_CLASS[0]
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    AsyncEngineArgs.add_cli_args(parser)
-
-
-def add_server_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="HF model directory or name; default: the tiny local test model")
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("VLLM_EVICT_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (env VLLM_EVICT_API_KEY)")
-    g.add_argument("--root-path", default=None, help="ASGI root_path behind a proxy")
-    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    e = p.add_argument_group("eviction defaults (used when a request has no `eviction` object or omits keys)")
-    e.add_argument("--default-eviction-policy", default=None,
-                   help="policy name, e.g. snapkv, dropkv; 'none' disables (default: no eviction)")
-    e.add_argument("--default-eviction-budget", default=None,
-                   help="ratio in (0, 1] like 0.1, or a token count like 2048")
-    e.add_argument("--default-eviction-allocation", default=None, help="uniform | adakv")
-
 
 def register(subparsers) -> None:
-    parser_class = ServeParser
-    previous = getattr(subparsers, "_parser_class", None)
+    """`vllm-evict serve` in the command list; vllm_evict.cli.main hands its arguments to `serve` as they
+    are (vLLM's parser reads them; vLLM is imported only when the subcommand runs)."""
+    p = subparsers.add_parser("serve", add_help=False, description=__doc__,
+                              help="vLLM's OpenAI-compatible server with per-request KV-cache eviction")
+    p.add_argument("argv", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda args: serve(args.argv))
+
+
+def build_parser():
+    """vLLM's `serve` parser plus the eviction defaults."""
+    # As in `vllm serve`: the API server is imported before the parser loads the plugin, which then
+    # installs its API-process hooks (vllm_evict/engine/plugin.py).
+    import vllm.entrypoints.cli.serve  # noqa: F401
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm-evict serve", description=__doc__))
+    group = parser.add_argument_group("eviction defaults (fill the fields a request's `eviction` object omits)")
+    group.add_argument("--default-eviction-policy", default=None,
+                       help="policy name, e.g. snapkv, dropkv; 'none' disables (default: no eviction)")
+    group.add_argument("--default-eviction-budget", default=None,
+                       help="ratio in (0, 1] like 0.1, or a token count like 2048")
+    group.add_argument("--default-eviction-allocation", default=None, help="uniform | adakv")
+    return parser
+
+
+def eviction_defaults(args: argparse.Namespace) -> dict:
+    """The validated `--default-eviction-*` fields (ValueError naming the flag)."""
+    from server.eviction import build_defaults, validate_defaults
+
     try:
-        subparsers._parser_class = parser_class  # the serve parser must accept vLLM's flag syntax
-        p = subparsers.add_parser("serve", help="OpenAI-compatible server with per-request KV-cache eviction",
-                                  description=__doc__)
-    finally:
-        if previous is not None:
-            subparsers._parser_class = previous
-    add_server_args(p)
-    p.set_defaults(func=serve, _parser=p)
+        defaults = build_defaults(args.default_eviction_policy, args.default_eviction_budget,
+                                  args.default_eviction_allocation)
+        if defaults.get("policy") == "none":
+            return {}
+        validate_defaults(defaults)
+    except ValueError as exc:
+        raise ValueError(f"invalid --default-eviction-*: {exc}") from None
+    return defaults
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Stand-alone parser (same flags as `vllm-evict serve`)."""
-    p = ServeParser(prog="vllm-evict serve", description=__doc__)
-    add_server_args(p)
-    p.set_defaults(func=serve, _parser=p)
-    return p
+def configure(args: argparse.Namespace, parser) -> None:
+    """Apply the engine settings eviction needs to parsed `vllm serve` arguments (in place); ValueError
+    for an incompatible user flag."""
+    from vllm_evict.engine import engine_kwargs
 
-
-def _user_engine_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """Engine flags whose value differs from the parser default (i.e. set by the user)."""
-    import dataclasses
-
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
-    out = {}
-    for dest, value in vars(args).items():
-        if dest in _SERVER_DESTS or dest.startswith("_") or dest not in fields:
-            continue
-        if value != parser.get_default(dest):
-            out[dest] = value
-    return out
-
-
-def resolve_engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, dict, list[str]]:
-    """(model, engine kwargs, served model names) for a parsed `serve` command line."""
-    kwargs = _user_engine_kwargs(args, parser)
-    model = args.model_tag or kwargs.pop("model", None)
-    kwargs.pop("model", None)
-    names = list(kwargs.get("served_model_name") or [])
-    tiny = model is None
-    if tiny:
+    if args.model_tag is None and args.model == parser.get_default("model"):
         from vllm_evict.testing.tiny_models import ensure_tiny_model
 
-        model = str(ensure_tiny_model("llama"))
-        if not names:
-            names = [TINY_MODEL_NAME]
-            kwargs["served_model_name"] = names
-        kwargs.setdefault("max_model_len", 2048)
-    if not names:
-        names = [str(model)]
+        args.model_tag = str(ensure_tiny_model("llama"))
+        args.served_model_name = args.served_model_name or [TINY_MODEL_NAME]
+        args.max_model_len = args.max_model_len or 2048
+    needed = engine_kwargs(async_scheduling=args.async_scheduling)
+    for key, flag in (("scheduler_cls", "--scheduler-cls"), ("attention_backend", "--attention-backend")):
+        if key not in needed:
+            continue
+        value = getattr(args, key)
+        if value in (None, parser.get_default(key)):
+            setattr(args, key, needed[key])
+        elif str(getattr(value, "name", value)) != needed[key]:
+            raise ValueError(f"{flag} {value}: vllm-evict needs {flag} {needed[key]}")
+    if (args.api_server_count or 1) > 1:
+        raise ValueError(f"--api-server-count {args.api_server_count}: vllm-evict needs one API server process "
+                         "(its vllm_evict:* metrics are recorded in that process)")
     if _on_cpu():
-        if kwargs.get("dtype", "auto") == "auto":
-            kwargs["dtype"] = "float32"  # bf16 takes slow fallback paths on most CPUs
-        if "kv_cache_memory_bytes" not in kwargs and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-        if tiny:
-            kwargs.setdefault("block_size", 16)
-    return str(model), kwargs, names
+        if args.dtype == "auto":
+            args.dtype = "float32"  # bf16 takes slow fallback paths on most CPUs
+        if args.kv_cache_memory_bytes is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            args.kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
+        args.block_size = args.block_size or 16  # eviction pages are vLLM blocks
 
 
 def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def serve(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
-        from vllm.platforms import current_platform
-
-        return bool(current_platform.is_cpu())
-    except Exception:  # pragma: no cover
-        return False
-
-
-def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from server import eviction as ev
-    from server.app import build_engine_args, create_app, create_engine
-
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    parser = getattr(args, "_parser", None) or build_parser()
-    try:
-        defaults = ev.build_defaults(args.default_eviction_policy, args.default_eviction_budget,
-                                     args.default_eviction_allocation)
-        if defaults.get("policy") == "none":
-            defaults = {}
-        ev.validate_defaults(defaults)
+        defaults = eviction_defaults(args)
+        configure(args, parser)
     except ValueError as exc:
-        print(f"vllm-evict serve: invalid --default-eviction-*: {exc}", file=sys.stderr)
+        print(f"vllm-evict serve: {exc}", file=sys.stderr)
         return 2
-    model, kwargs, names = resolve_engine_config(args, parser)
-    engine_args = build_engine_args(model, **kwargs)
-    app = create_app(engine_factory=lambda metrics: create_engine(engine_args, metrics),
-                     served_model_names=names, api_key=args.api_key, eviction_defaults=defaults)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, root_path=args.root_path or "",
-                timeout_keep_alive=5)
+    from vllm_evict.engine.request_config import DEFAULT_ENV
+
+    if defaults:
+        os.environ[DEFAULT_ENV] = json.dumps(defaults)
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+
+    ServeSubcommand().validate(args)
+    ServeSubcommand.cmd(args)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    return serve(sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

@@ -100,15 +100,10 @@ class WithEvictAt:
         return {**self.config.to_dict(), "evict_at": self.evict_at}
 
 
-def to_extra_args(cfg: Any) -> dict[str, Any] | None:
-    """`SamplingParams.extra_args` for a resolved config (None: no eviction)."""
-    if cfg is None:
-        return None
-    return {EXTRA_ARGS_KEY: cfg.to_dict()}
-
-
-def policy_label(cfg: Any) -> str:
-    return "none" if cfg is None else str(getattr(cfg, "policy", None) or cfg.to_dict().get("policy"))
+def to_extra_args(cfg: Any) -> dict[str, Any]:
+    """`SamplingParams.extra_args` entry for a resolved config; None (no eviction) says so explicitly, so
+    that no engine-level default applies to the request."""
+    return {EXTRA_ARGS_KEY: cfg.to_dict() if cfg is not None else {"policy": "none"}}
 
 
 def _jsonable(x: Any) -> Any:

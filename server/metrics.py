@@ -1,30 +1,51 @@
-"""Prometheus metrics of the vllm-evict server (`vllm_evict:*`).
+"""Prometheus metrics of vllm-evict (`vllm_evict:*`), served on vLLM's own `/metrics`.
+
+`vllm serve` (vllm.entrypoints.openai.api_server) mounts `prometheus_client.make_asgi_app` on `/metrics`
+for the registry `vllm.v1.metrics.prometheus.get_prometheus_registry()` returns: the process-global
+`prometheus_client.REGISTRY` when `PROMETHEUS_MULTIPROC_DIR` is unset, which is the case with one API
+server process (`--api-server-count 1`). So every `vllm_evict:*` metric object lives in that global
+registry, created once per process (`get_metrics()`), and shows up on `/metrics` next to vLLM's `vllm:*`
+families and the HTTP instrumentator's `http_*` ones.
 
 Two feeds:
 
-* `EvictStatLogger` — a vLLM `StatLoggerBase` handed to `AsyncLLM.from_engine_args(stat_loggers=...)`;
-  vLLM calls `record()` from the engine's output-handler task every step with `SchedulerStats`
-  (KV-cache usage, running / waiting requests) and `IterationStats` (generated tokens, TTFT, finished
-  requests' time per output token).
-* `ServerMetrics.observe_request_end()` — called by the HTTP layer with the engine's eviction report of
+* `EvictStatLogger`, a vLLM `StatLoggerBase` registered under the entry-point group
+  `vllm.stat_logger_plugins` (pyproject.toml). vLLM's `AsyncLLM` loads it in the API process and calls
+  `record()` from its output handler every engine step with `SchedulerStats` (KV-cache usage, running /
+  waiting requests) and `IterationStats` (prompt / generated tokens, TTFT, finished requests' time per
+  output token).
+* `observe_eviction(report, policy)`, called in the API process with the engine's eviction report of
   every finished request (evictions, prompt vs kept tokens, compression ratio, blocks freed, scoring +
   compaction latency).
 
-Everything lives in a private `CollectorRegistry` (no clash with vLLM's own `vllm:*` metrics in the
-global registry, several apps per process in tests); `/metrics` exposes both.
+With more than one API server process vLLM switches prometheus_client to multiprocess mode (it sets
+`PROMETHEUS_MULTIPROC_DIR` and serves a `MultiProcessCollector` registry that never reads the global
+one), the eviction reports of a request land in whichever API process served it, and the derived
+gauges (sliding-window throughput, batch capacity) cannot be merged across processes; so
+`EvictStatLogger` refuses to start there.
+
+HTTP-level counts are vLLM's: `vllm:request_success_total{finished_reason}` and the instrumentator's
+`http_requests_total{handler,method,status}`.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections import deque
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:  # the real class is built lazily (importing vLLM takes seconds): see __getattr__ below
+    from vllm.v1.metrics.loggers import StatLoggerBase as EvictStatLogger  # noqa: F401
 
 PREFIX = "vllm_evict:"
+STAT_LOGGER_GROUP = "vllm.stat_logger_plugins"  # vllm.plugins.STAT_LOGGER_PLUGINS_GROUP
+MULTIPROC_ENV = ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")  # prometheus_client.values
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -34,7 +55,8 @@ RATIO_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0)
 
-# public list (README, tests): every metric family this module exports, without the _bucket/_sum/... suffixes
+# public list (docs, dashboard tests): every metric family this module exports, without the _total /
+# _bucket / _sum / _count / _created suffixes
 METRIC_NAMES = (
     "vllm_evict:kv_cache_blocks",
     "vllm_evict:kv_cache_used_blocks",
@@ -49,15 +71,19 @@ METRIC_NAMES = (
     "vllm_evict:decode_throughput_tokens_per_second",
     "vllm_evict:time_to_first_token_seconds",
     "vllm_evict:time_per_output_token_seconds",
-    "vllm_evict:requests",                     # counter -> vllm_evict:requests_total{endpoint,policy}
-    "vllm_evict:requests_aborted",             # counter -> vllm_evict:requests_aborted_total
-    "vllm_evict:request_errors",               # counter -> vllm_evict:request_errors_total{status}
     "vllm_evict:evictions",                    # counter -> vllm_evict:evictions_total{policy}
     "vllm_evict:eviction_prompt_tokens",       # counter -> ..._total{policy}
     "vllm_evict:eviction_kept_tokens",         # counter -> ..._total{policy}
     "vllm_evict:eviction_blocks_freed",        # counter -> ..._total{policy}
     "vllm_evict:eviction_compression_ratio",   # histogram{policy}: kept / prompt tokens
     "vllm_evict:eviction_latency_seconds",     # histogram{policy}: scoring + compaction
+)
+
+MULTI_API_SERVER_ERROR = (
+    "vllm-evict metrics need --api-server-count 1: with {detail}, vLLM serves /metrics from "
+    "prometheus_client's multiprocess registry, which never shows the vllm_evict:* metrics (and eviction "
+    "reports would be split across API processes). Start `vllm serve` with --api-server-count 1 (it "
+    "defaults to the data-parallel size) and without PROMETHEUS_MULTIPROC_DIR."
 )
 
 
@@ -119,95 +145,147 @@ class SlidingWindowRate:
             return self._sum / span
 
 
-class ServerMetrics:
-    """All `vllm_evict:*` metric objects plus the state behind the derived gauges."""
+def _collector(registry: CollectorRegistry, cls, name: str, doc: str, labelnames=(), **kwargs):
+    """`cls(name, ...)` registered in `registry`, or the collector already registered under that name (a
+    second `EvictMetrics` in the same process, a reloaded module) instead of a duplicate-timeseries error."""
+    existing = getattr(registry, "_names_to_collectors", {}).get(name)
+    if existing is not None:
+        if not isinstance(existing, cls):
+            raise ValueError(f"{name} is already registered as a {type(existing).__name__}, not a {cls.__name__}")
+        return existing
+    return cls(name, doc, labelnames, registry=registry, **kwargs)
 
-    def __init__(self, registry: CollectorRegistry | None = None, throughput_window_s: float = 10.0):
-        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        r = self.registry
+
+@dataclass
+class _EngineState:
+    """Last scheduler statistics of one engine (data-parallel rank) this API process talks to."""
+
+    num_blocks: int | None = None  # usable blocks of this engine (null block excluded)
+    usage: float = 0.0
+    running: int = 0
+    waiting: int = 0
+
+
+class EvictMetrics:
+    """All `vllm_evict:*` metric objects (in `registry`, prometheus_client's global one by default) plus the
+    state behind the derived gauges. Use the per-process singleton `get_metrics()`."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY, throughput_window_s: float = 10.0):
+        self.registry = r = registry
         p = PREFIX
+
+        def gauge(name, doc, **kw):
+            return _collector(r, Gauge, p + name, doc, **kw)
+
+        def counter(name, doc, labels=()):
+            return _collector(r, Counter, p + name, doc, labels)
+
+        def histogram(name, doc, buckets, labels=()):
+            return _collector(r, Histogram, p + name, doc, labels, buckets=buckets)
+
         # KV cache / batch
-        self.kv_blocks = Gauge(p + "kv_cache_blocks", "Usable KV-cache blocks (pages) of the engine.", registry=r)
-        self.kv_used_blocks = Gauge(p + "kv_cache_used_blocks", "KV-cache blocks held by requests.", registry=r)
-        self.kv_free_blocks = Gauge(p + "kv_cache_free_blocks", "KV-cache blocks free (incl. reusable "
-                                    "prefix-cache blocks).", registry=r)
-        self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).", registry=r)
-        self.avg_seq_blocks = Gauge(p + "avg_sequence_blocks", "Average physical KV length of the running "
-                                    "sequences, in blocks (used blocks / running requests; last value "
-                                    "kept while idle).", registry=r)
-        self.batch_capacity = Gauge(p + "batch_capacity_sequences", "Sequences of the current average physical "
-                                    "length that fit in free + used KV-cache memory.", registry=r)
-        self.running = Gauge(p + "num_requests_running", "Requests in the engine's running batch.", registry=r)
-        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
+        self.kv_blocks = gauge("kv_cache_blocks", "Usable KV-cache blocks (pages) of the engine(s).")
+        self.kv_used_blocks = gauge("kv_cache_used_blocks", "KV-cache blocks held by requests.")
+        self.kv_free_blocks = gauge("kv_cache_free_blocks", "KV-cache blocks free (incl. reusable prefix-cache "
+                                    "blocks).")
+        self.kv_usage = gauge("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).")
+        self.avg_seq_blocks = gauge("avg_sequence_blocks", "Average physical KV length of the running "
+                                    "sequences, in blocks (used blocks / running requests; last value kept "
+                                    "while idle).")
+        self.batch_capacity = gauge("batch_capacity_sequences", "Sequences of the current average physical "
+                                    "length that fit in free + used KV-cache memory.")
+        self.running = gauge("num_requests_running", "Requests in the engine's running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         # tokens / latency
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens prefilled.", registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", registry=r)
-        self._decode_rate = SlidingWindowRate(throughput_window_s)
-        self.decode_tps = Gauge(p + "decode_throughput_tokens_per_second",
-                                f"Generated tokens per second over a sliding {throughput_window_s:g} s window.",
-                                registry=r)
-        self.decode_tps.set_function(self._decode_rate.rate)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time from arrival to the first token.",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram(p + "time_per_output_token_seconds", "Mean time per output token after the first, "
-                              "per finished request.", buckets=TPOT_BUCKETS, registry=r)
-        # requests
-        self.requests = Counter(p + "requests", "Generation requests accepted, by endpoint and eviction policy.",
-                                ["endpoint", "policy"], registry=r)
-        self.aborted = Counter(p + "requests_aborted", "Requests aborted because the client went away.", registry=r)
-        self.errors = Counter(p + "request_errors", "Requests answered with an error, by HTTP status.",
-                              ["status"], registry=r)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.decode_tps = gauge("decode_throughput_tokens_per_second",
+                                f"Generated tokens per second over a sliding {throughput_window_s:g} s window.")
+        # the window lives on the gauge, so every EvictMetrics sharing the gauge feeds the exposed rate
+        self._decode_rate = getattr(self.decode_tps, "_vllm_evict_rate", None)
+        if self._decode_rate is None:
+            self._decode_rate = self.decode_tps._vllm_evict_rate = SlidingWindowRate(throughput_window_s)
+            self.decode_tps.set_function(self._decode_rate.rate)
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Mean time per output token after the first, per "
+                              "finished request.", TPOT_BUCKETS)
         # eviction
-        self.evictions = Counter(p + "evictions", "Requests whose KV cache was evicted, by policy.", ["policy"],
-                                 registry=r)
-        self.evict_prompt_tokens = Counter(p + "eviction_prompt_tokens", "Prompt tokens of evicted requests.",
-                                           ["policy"], registry=r)
-        self.evict_kept_tokens = Counter(p + "eviction_kept_tokens", "KV tokens kept after eviction (average "
-                                         "over layers and KV heads), per evicted request.", ["policy"],
-                                         registry=r)
-        self.blocks_freed = Counter(p + "eviction_blocks_freed", "KV-cache blocks freed by eviction.", ["policy"],
-                                    registry=r)
-        self.compression = Histogram(p + "eviction_compression_ratio", "Kept / prompt KV tokens per evicted "
-                                     "request.", ["policy"], buckets=RATIO_BUCKETS, registry=r)
-        self.evict_latency = Histogram(p + "eviction_latency_seconds", "Scoring + compaction time per evicted "
-                                       "request (when the engine reports it).", ["policy"],
-                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.evictions = counter("evictions", "Requests whose KV cache was evicted, by policy.", ["policy"])
+        self.evict_prompt_tokens = counter("eviction_prompt_tokens", "Prompt tokens of evicted requests.",
+                                           ["policy"])
+        self.evict_kept_tokens = counter("eviction_kept_tokens", "KV tokens kept after eviction (average over "
+                                         "layers and KV heads), per evicted request.", ["policy"])
+        self.blocks_freed = counter("eviction_blocks_freed", "KV-cache blocks freed by eviction.", ["policy"])
+        self.compression = histogram("eviction_compression_ratio", "Kept / prompt KV tokens per evicted request.",
+                                     RATIO_BUCKETS, ["policy"])
+        self.evict_latency = histogram("eviction_latency_seconds", "Scoring + compaction time per evicted "
+                                       "request (when the engine reports it).", LATENCY_BUCKETS, ["policy"])
+        self._lock = threading.Lock()
+        self._engines: dict[int, _EngineState] = {}
         self._last_avg_blocks: float | None = None
         self._max_model_len: int | None = None
         self._block_size: int | None = None
 
-    # ----------------------------------------------------------------------------------- engine stats
-    def configure(self, *, num_blocks: int | None, block_size: int | None, max_model_len: int | None) -> None:
-        self._block_size = block_size
-        self._max_model_len = max_model_len
-        if num_blocks:
-            self.kv_blocks.set(num_blocks)
-            self.kv_free_blocks.set(num_blocks)
-            self.kv_used_blocks.set(0)
-            self._update_capacity(num_blocks, used=0, running=0)
+    def collectors(self) -> list:
+        return [v for v in vars(self).values() if isinstance(v, (Counter, Gauge, Histogram))]
 
-    def _update_capacity(self, total: int, used: int, running: int) -> None:
-        if running > 0 and used > 0:
-            self._last_avg_blocks = used / running
-        avg = self._last_avg_blocks
-        if avg is None and self._max_model_len and self._block_size:
-            avg = float(math.ceil(self._max_model_len / self._block_size))  # before any traffic: full-length
-        if avg:
-            self.avg_seq_blocks.set(avg)
-            self.batch_capacity.set(total / avg)
+    # ----------------------------------------------------------------------------------- engine stats
+    def register_engine(self, engine: int) -> None:
+        """An engine (data-parallel rank) whose stats this process records; fresh state."""
+        with self._lock:
+            self._engines[engine] = _EngineState()
+
+    @property
+    def num_engines(self) -> int:
+        return max(len(self._engines), 1)
+
+    def configure(self, *, num_blocks: int | None, block_size: int | None, max_model_len: int | None,
+                  engine: int = 0) -> None:
+        with self._lock:
+            self._block_size = block_size
+            self._max_model_len = max_model_len
+            st = self._engines.setdefault(engine, _EngineState())
+            if num_blocks:
+                st.num_blocks = int(num_blocks)
+            self._refresh()
 
     def record_scheduler(self, *, num_blocks: int | None, kv_cache_usage: float, num_running: int,
-                         num_waiting: int) -> None:
-        self.running.set(num_running)
-        self.waiting.set(num_waiting)
-        usage = min(max(float(kv_cache_usage), 0.0), 1.0)
-        self.kv_usage.set(usage)
-        if num_blocks:
-            used = int(round(usage * num_blocks))
-            self.kv_blocks.set(num_blocks)
+                         num_waiting: int, engine: int = 0) -> None:
+        with self._lock:
+            st = self._engines.setdefault(engine, _EngineState())
+            if num_blocks:
+                st.num_blocks = int(num_blocks)
+            st.usage = min(max(float(kv_cache_usage), 0.0), 1.0)
+            st.running = int(num_running)
+            st.waiting = int(num_waiting)
+            self._refresh()
+
+    def _refresh(self) -> None:
+        """Set the gauges from the engines' last statistics (summed over engines; the usage ratio is the
+        block-weighted mean, i.e. vLLM's own ratio with one engine)."""
+        states = list(self._engines.values())
+        running = sum(s.running for s in states)
+        self.running.set(running)
+        self.waiting.set(sum(s.waiting for s in states))
+        sized = [s for s in states if s.num_blocks]
+        total = sum(s.num_blocks for s in sized)
+        if total:
+            usage = sum(s.usage * s.num_blocks for s in sized) / total
+            used = sum(int(round(s.usage * s.num_blocks)) for s in sized)
+            self.kv_blocks.set(total)
             self.kv_used_blocks.set(used)
-            self.kv_free_blocks.set(num_blocks - used)
-            self._update_capacity(num_blocks, used, num_running)
+            self.kv_free_blocks.set(total - used)
+            if running > 0 and used > 0:
+                self._last_avg_blocks = used / running
+            avg = self._last_avg_blocks
+            if avg is None and self._max_model_len and self._block_size:
+                avg = float(math.ceil(self._max_model_len / self._block_size))  # before any traffic
+            if avg:
+                self.avg_seq_blocks.set(avg)
+                self.batch_capacity.set(total / avg)
+        else:
+            usage = sum(s.usage for s in states) / len(states) if states else 0.0
+        self.kv_usage.set(usage)
 
     def record_iteration(self, *, generation_tokens: int, prompt_tokens: int, ttfts: list[float],
                          tpots: list[float]) -> None:
@@ -221,19 +299,11 @@ class ServerMetrics:
         for t in tpots:
             self.tpot.observe(t)
 
-    # ----------------------------------------------------------------------------------- requests
-    def observe_request(self, endpoint: str, policy: str) -> None:
-        self.requests.labels(endpoint=endpoint, policy=policy).inc()
-
-    def observe_error(self, status: int) -> None:
-        self.errors.labels(status=str(status)).inc()
-
-    def observe_abort(self) -> None:
-        self.aborted.inc()
-
-    def observe_eviction(self, report: dict[str, Any]) -> None:
-        """One engine eviction report (see docs/ARCHITECTURE.md) of a finished request."""
-        policy = str(report.get("policy") or "unknown")
+    # ----------------------------------------------------------------------------------- eviction
+    def observe_eviction(self, report: dict[str, Any], policy: str | None = None) -> None:
+        """One engine eviction report (see docs/ARCHITECTURE.md) of a finished request, labelled with
+        `policy` (else the report's own `policy`, else "unknown")."""
+        policy = str(policy or report.get("policy") or "unknown")
         self.evictions.labels(policy=policy).inc()
         prompt = _num(report.get("prompt_tokens"))
         kept = _num(report.get("kept_tokens_per_head"))
@@ -252,29 +322,64 @@ class ServerMetrics:
             self.blocks_freed.labels(policy=policy).inc(freed)
         latency_ms = _num(report.get("latency_ms"))
         if latency_ms is not None and latency_ms >= 0:
-            self.evict_latency.labels(policy=policy).observe(latency_ms / 1000.0)
+            self.evict_latency.labels(policy=policy).observe(latency_ms / 100.0)
 
 
-def make_stat_logger_factory(metrics: ServerMetrics):
-    """A per-engine stat-logger factory `(vllm_config, engine_index) -> StatLoggerBase` for AsyncLLM."""
+_metrics: EvictMetrics | None = None
+_metrics_lock = threading.Lock()
+
+
+def get_metrics() -> EvictMetrics:
+    """This process's `EvictMetrics` (in prometheus_client's global REGISTRY), created on first use."""
+    global _metrics
+    if _metrics is None:
+        with _metrics_lock:
+            if _metrics is None:
+                _metrics = EvictMetrics()
+    return _metrics
+
+
+def observe_eviction(report: dict[str, Any], policy: str) -> None:
+    """Record one finished request's eviction report (called in the API process)."""
+    get_metrics().observe_eviction(report, policy)
+
+
+def check_single_api_process(vllm_config: Any) -> None:
+    """ValueError unless /metrics is served from this process's global registry (one API server)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    count = int(getattr(parallel, "_api_process_count", 1) or 1)
+    if count > 1:
+        raise ValueError(MULTI_API_SERVER_ERROR.format(detail=f"{count} API server processes"))
+    env = next((k for k in MULTIPROC_ENV if k in os.environ), None)
+    if env is not None:
+        raise ValueError(MULTI_API_SERVER_ERROR.format(detail=f"{env}={os.environ[env]!r} set"))
+
+
+def _make_stat_logger_class():
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class EvictStatLogger(StatLoggerBase):
-        """Feeds `ServerMetrics` from vLLM's per-step SchedulerStats / IterationStats."""
+        """vLLM stat-logger plugin (entry-point group `vllm.stat_logger_plugins`, name `vllm_evict`): feeds
+        the `vllm_evict:*` metrics from vLLM's per-step SchedulerStats / IterationStats. vLLM builds one per
+        engine (data-parallel rank) as `EvictStatLogger(vllm_config, engine_index)`."""
 
         def __init__(self, vllm_config, engine_index: int = 0):
+            check_single_api_process(vllm_config)
             self.vllm_config = vllm_config
             self.engine_index = engine_index
-            self.metrics = metrics
+            self.metrics = get_metrics()
+            self.metrics.register_engine(engine_index)
 
         def _num_blocks(self) -> int | None:
+            # the API process's num_gpu_blocks is summed over the engines it talks to (core_client.py);
+            # each engine reserves block 0 as its null block
             n = getattr(self.vllm_config.cache_config, "num_gpu_blocks", None)
-            return max(int(n) - 1, 0) if n else None  # block 0 is vLLM's reserved null block
+            return max(int(n) // self.metrics.num_engines - 1, 0) if n else None
 
         def log_engine_initialized(self):
             cfg = self.vllm_config
             self.metrics.configure(num_blocks=self._num_blocks(), block_size=cfg.cache_config.block_size,
-                                   max_model_len=cfg.model_config.max_model_len)
+                                   max_model_len=cfg.model_config.max_model_len, engine=self.engine_index)
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
             if scheduler_stats is not None:
@@ -284,6 +389,7 @@ def make_stat_logger_factory(metrics: ServerMetrics):
                     num_running=scheduler_stats.num_running_reqs,
                     num_waiting=scheduler_stats.num_waiting_reqs
                     + getattr(scheduler_stats, "num_skipped_waiting_reqs", 0),
+                    engine=self.engine_index,
                 )
             if iteration_stats is not None:
                 pts = getattr(iteration_stats, "prompt_token_stats", None)
@@ -295,4 +401,21 @@ def make_stat_logger_factory(metrics: ServerMetrics):
                            if f.num_generation_tokens > 1],
                 )
 
+    EvictStatLogger.__module__ = __name__
+    EvictStatLogger.__qualname__ = "EvictStatLogger"
     return EvictStatLogger
+
+
+_class_lock = threading.Lock()
+
+
+def __getattr__(name: str):
+    # `EvictStatLogger` subclasses vLLM's StatLoggerBase; it is built on first access so that importing this
+    # module (for `_num`, `observe_eviction`, `METRIC_NAMES`) does not import vLLM
+    if name == "EvictStatLogger":
+        with _class_lock:
+            cls = globals().get("EvictStatLogger")
+            if cls is None:
+                cls = globals()["EvictStatLogger"] = _make_stat_logger_class()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

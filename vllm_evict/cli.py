@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 # subcommand -> module exposing `register(subparsers)`; each registers a parser with `func=` set
 SUBCOMMAND_MODULES = (
@@ -29,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # every `vllm serve` flag: parsed by vLLM's own parser (server/cli.py)
+        from server.cli import serve
+
+        return serve(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -3,7 +3,8 @@
 Fast tests check content (not just existence): the compose file (through `docker compose config` /
 `docker-compose config` when one is installed, and structurally), the Prometheus config (`promtool check
 config`), the Grafana provisioning + dashboard (every PromQL expression parses with `promtool check rules`
-and names only metric samples that server/metrics.py exports, with the right suffix for the metric type),
+and names only metric samples that server/metrics.py exports, or the few vLLM families it relies on, with
+the right suffix for the metric type),
 the Kubernetes manifests and the Dockerfiles.
 
 The `engine` test starts a real `vllm-evict serve` (tiny model, CPU), sends an evicting request, scrapes
@@ -41,11 +42,22 @@ NON_ROOT_UID = 10001
 
 # ============================================================================ metric catalogue (server side)
 def exported_families() -> dict[str, str]:
-    """{family name: type} of every `vllm_evict:*` metric server/metrics.py registers."""
-    from server.metrics import ServerMetrics
+    """{family name: type} of every `vllm_evict:*` metric server/metrics.py registers (in prometheus_client's
+    global registry, the one vLLM's /metrics serves with one API server process)."""
+    from prometheus_client import REGISTRY
 
-    m = ServerMetrics()
-    return {fam.name: fam.type for fam in m.registry.collect()}
+    from server.metrics import PREFIX, get_metrics
+
+    get_metrics()
+    return {fam.name: fam.type for fam in REGISTRY.collect() if fam.name.startswith(PREFIX)}
+
+
+# vLLM 0.26.0's own families the dashboard queries (same /metrics endpoint): {family name: type}.
+# test_vllm_families_exist checks them against the installed vLLM.
+VLLM_FAMILIES = {
+    "vllm:request_success": "counter",  # vllm/v1/metrics/loggers.py PrometheusStatLogger, {finished_reason}
+    "http_requests": "counter",         # prometheus-fastapi-instrumentator default, {handler,method,status}
+}
 
 
 SUFFIXES = {  # sample names a family of each type exposes (prometheus_client text format 0.0.4)
@@ -403,6 +415,8 @@ def test_dashboard_covers_the_required_views():
         "waiting": "vllm_evict:num_requests_waiting",
         "decode tokens/s": "vllm_evict:decode_throughput_tokens_per_second",
         "blocks freed": "vllm_evict:eviction_blocks_freed_total",
+        "finished requests": "vllm:request_success_total",
+        "HTTP errors": "http_requests_total",
     }
     for what, metric in required.items():
         assert metric in exprs, f"no panel shows {what} ({metric})"
@@ -423,12 +437,27 @@ def test_promql_metric_name_extraction():
     assert promql_metric_names(expr) == {"vllm_evict:x_bucket", "vllm_evict:y", "up", "foo_total"}
 
 
+def test_vllm_families_exist():
+    """The vLLM families in VLLM_FAMILIES are defined, with that type, by the installed vLLM."""
+    import inspect
+
+    from prometheus_fastapi_instrumentator import metrics as pfi_metrics
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    src = inspect.getsource(PrometheusStatLogger.__init__)
+    assert re.search(r'_counter_cls\(\s*name="vllm:request_success",', src)
+    assert '"finished_reason"' in src
+    # vLLM's Instrumentator().add() with no functions installs metrics.default(), which counts requests in
+    # http_requests_total{handler,status,method} (tests/server/test_metrics_plugin.py scrapes it)
+    assert re.search(r'Counter\(\s*name="http_requests_total",', inspect.getsource(pfi_metrics.default))
+
+
 def test_dashboard_names_only_exported_metrics():
     families = exported_families()
     from server.metrics import METRIC_NAMES
 
     assert set(families) == set(METRIC_NAMES), "server.metrics.METRIC_NAMES and the registry disagree"
-    allowed = sample_names(families)
+    allowed = sample_names({**families, **VLLM_FAMILIES})
     used = dashboard_sample_names()
     assert used, "no metric found in the dashboard"
     unknown = sorted(used - set(allowed))
@@ -437,7 +466,8 @@ def test_dashboard_names_only_exported_metrics():
     var = next(v for v in dashboard()["templating"]["list"] if v["name"] == "instance")
     assert promql_metric_names(var["definition"].replace("label_values(", "").split(",")[0]) <= set(allowed)
     # the checker itself catches a wrong name and a wrong suffix (a counter queried without _total)
-    for bad in ("vllm_evict:kv_usage", "vllm_evict:evictions", "vllm_evict:evictions_bucket"):
+    for bad in ("vllm_evict:kv_usage", "vllm_evict:evictions", "vllm_evict:evictions_bucket",
+                "vllm_evict:requests_total", "vllm:request_success"):
         assert promql_metric_names(f"sum(rate({bad}[1m]))") - set(allowed) == {bad}
 
 
@@ -461,6 +491,7 @@ def test_operations_doc_metrics_reference():
     expected = {(f + "_total" if t == "counter" else f): t for f, t in exported_families().items()}
     assert rows == expected
     assert "](img/grafana-dashboard-layout.png)" in doc and "not a screenshot" in doc
+    assert "--api-server-count 1" in doc, "the metrics reference must say that one API server is required"
 
 
 # ============================================================================ tests: Kubernetes
@@ -653,7 +684,7 @@ def test_live_server_exports_every_dashboard_series(live_server, tmp_path):
             assert ev["evicted"] is True and ev["blocks_freed"] > 0, ev
             bad = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": "x", "max_tokens": 2,
                                                      "eviction": {"policy": "no-such-policy"}})
-            assert bad.status_code == 400, bad.text  # feeds vllm_evict:request_errors_total{status}
+            assert bad.status_code == 400, bad.text  # feeds http_requests_total{status="4xx"}
             time.sleep(1.0)  # stat-logger update after the last engine step
             text = http.get("/metrics").text
         present = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}

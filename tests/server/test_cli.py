@@ -1,4 +1,4 @@
-"""`vllm-evict serve` command line (no engine start)."""
+"""`vllm-evict serve` command line: vLLM's serve parser plus the plugin's engine settings (no engine start)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_evict.cli import build_parser  # noqa: E402
 
+def configured(*argv):
+    from server.cli import build_parser, configure
 
-def parse(*argv):
-    args = build_parser().parse_args(["serve", *argv])
-    return args, args._parser
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    configure(args, parser)
+    return args
 
 
 def test_registering_serve_does_not_import_vllm():
@@ -24,52 +26,46 @@ def test_registering_serve_does_not_import_vllm():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_only_user_flags_are_forwarded(tmp_path, monkeypatch):
-    from server.cli import resolve_engine_config
-
+def test_vllm_serve_flags_and_eviction_settings(tmp_path, monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    args, parser = parse(str(tmp_path), "--max-model-len", "512", "--block-size", "16", "--enforce-eager",
-                         "--gpu-memory-utilization", "0.5", "--port", "9999", "--api-key", "k",
-                         "--default-eviction-policy", "snapkv", "--default-eviction-budget", "0.1")
-    model, kwargs, names = resolve_engine_config(args, parser)
-    assert model == str(tmp_path) and names == [str(tmp_path)]
-    assert kwargs["max_model_len"] == 512 and kwargs["block_size"] == 16 and kwargs["enforce_eager"] is True
-    assert kwargs["gpu_memory_utilization"] == 0.5
-    assert args.port == 9999 and args.api_key == "k" and args.default_eviction_policy == "snapkv"
-    for server_flag in ("port", "host", "api_key", "default_eviction_policy", "model_tag"):
-        assert server_flag not in kwargs
-    assert "attention_backend" not in kwargs and "scheduler_cls" not in kwargs  # left to engine_kwargs
+    args = configured(str(tmp_path), "--max-model-len", "512", "--enforce-eager", "--port", "9999",
+                      "--api-key", "k", "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
+                      "--default-eviction-policy", "snapkv", "--default-eviction-budget", "0.1")
+    assert args.model_tag == str(tmp_path) and args.max_model_len == 512 and args.enforce_eager
+    assert args.port == 9999 and args.api_key == ["k"]
+    assert args.tool_call_parser == "hermes" and args.default_eviction_policy == "snapkv"
+    assert args.scheduler_cls.startswith("vllm_evict.engine.scheduler.")
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        assert kwargs["dtype"] == "float32" and kwargs["kv_cache_memory_bytes"] == 1 << 30
+        assert args.dtype == "float32" and args.kv_cache_memory_bytes == 1 << 30 and args.block_size == 16
 
 
-def test_explicit_engine_flags_win(tmp_path, monkeypatch):
-    from server.cli import resolve_engine_config
-
+def test_explicit_compatible_flags_win(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
-    args, parser = parse("--model", str(tmp_path), "--dtype", "bfloat16", "--served-model-name", "a", "b")
-    model, kwargs, names = resolve_engine_config(args, parser)
-    assert model == str(tmp_path) and names == ["a", "b"]
-    assert kwargs["dtype"] == "bfloat16" and "kv_cache_memory_bytes" not in kwargs  # env var decides
+    args = configured("--model", str(tmp_path), "--dtype", "bfloat16", "--block-size", "32",
+                      "--served-model-name", "a", "b", "--scheduler-cls",
+                      "vllm_evict.engine.scheduler.EvictionScheduler")
+    assert args.dtype == "bfloat16" and args.block_size == 32 and args.served_model_name == ["a", "b"]
+    assert args.kv_cache_memory_bytes is None  # the env var decides
+    assert args.scheduler_cls == "vllm_evict.engine.scheduler.EvictionScheduler"
 
 
 def test_no_model_serves_tiny_model(tiny_llama):
-    from server.cli import TINY_MODEL_NAME, resolve_engine_config
+    from server.cli import TINY_MODEL_NAME
 
-    args, parser = parse()
-    model, kwargs, names = resolve_engine_config(args, parser)
-    assert model == str(tiny_llama) and names == [TINY_MODEL_NAME]
-    assert kwargs["served_model_name"] == [TINY_MODEL_NAME] and kwargs["max_model_len"] == 2048
+    args = configured()
+    assert args.model_tag == str(tiny_llama) and args.served_model_name == [TINY_MODEL_NAME]
+    assert args.max_model_len == 2048
 
 
-def test_engine_args_are_built_through_engine_kwargs(tiny_llama):
-    from server.app import build_engine_args
-
-    ea = build_engine_args(str(tiny_llama), dtype="float32", max_model_len=256)
-    assert ea.model == str(tiny_llama) and ea.dtype == "float32" and ea.max_model_len == 256
-    assert "vllm_evict" in str(ea.scheduler_cls)
+@pytest.mark.parametrize("flags, message", [
+    (["--scheduler-cls", "vllm.v1.core.sched.scheduler.Scheduler"], "--scheduler-cls"),
+    (["--api-server-count", "2"], "--api-server-count"),
+])
+def test_incompatible_flags_are_refused(tmp_path, flags, message):
+    with pytest.raises(ValueError, match=message):
+        configured(str(tmp_path), *flags)
 
 
 @pytest.mark.parametrize("flags", [
@@ -77,13 +73,13 @@ def test_engine_args_are_built_through_engine_kwargs(tiny_llama):
     ["--default-eviction-policy", "snapkv", "--default-eviction-budget", "1.5"],
     ["--default-eviction-policy", "snapkv"],  # no budget
     ["--default-eviction-policy", "snapkv", "--default-eviction-budget", "abc"],
+    ["--api-server-count", "2"],
 ])
-def test_bad_default_eviction_exits_2(tmp_path, flags, capsys):
+def test_bad_flags_exit_2_before_starting(tmp_path, flags, capsys):
     from server.cli import serve
 
-    args, _ = parse(str(tmp_path), *flags)
-    assert serve(args) == 2
-    assert "--default-eviction" in capsys.readouterr().err
+    assert serve([str(tmp_path), *flags]) == 2
+    assert "vllm-evict serve:" in capsys.readouterr().err
 
 
 def test_budget_parsing():

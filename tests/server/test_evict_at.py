@@ -25,6 +25,14 @@ def test_engine_parses_what_the_server_sends():
     assert spec.evict_at == 500 and spec.eviction_point(800) == 500 and spec.config.budget == 64
 
 
+def test_no_eviction_is_explicit():
+    """A request that does not evict says so, so an engine-level default cannot apply to it."""
+    from vllm_evict.engine.request_config import parse_request
+
+    extra = to_extra_args(resolve({"policy": "none"}, {"policy": "snapkv", "budget": 0.2}))
+    assert extra == {"vllm_evict": {"policy": "none"}} and parse_request(extra) is None
+
+
 def test_engine_unsupported_chunked_is_a_field_error():
     with pytest.raises(EvictionFieldError, match="chunked"):
         resolve({"policy": "keydiff", "budget": 0.2, "chunked": True}, {})

@@ -30,6 +30,12 @@ def register() -> None:
 
     install_runner_hooks()
     _install_request_validation()
+    import sys
+
+    if "vllm.entrypoints.openai.api_server" in sys.modules:  # the API process of `vllm serve`
+        from vllm_evict.engine.serving import install_serving_hooks
+
+        install_serving_hooks()
 
 
 def _install_triton_scoring() -> None:

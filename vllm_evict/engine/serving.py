@@ -1,0 +1,214 @@
+"""Hooks into vLLM's OpenAI API server (the API process): the `eviction` request field, per-sequence
+eviction reports, and `usage.eviction` in responses.
+
+* **Request field.** `ChatCompletionRequest` / `CompletionRequest` keep unknown fields (`extra="allow"`),
+  so a top-level `eviction` object (the official client sends it with `extra_body`) or flat `eviction_*`
+  keys in `vllm_xargs` reach `to_sampling_params`. The wrapped method merges them with the server
+  defaults ($VLLM_EVICT_DEFAULT, JSON; `vllm-evict serve --default-eviction-*` sets it), validates them
+  and writes the result to `extra_args["vllm_evict"]` (`{"policy": "none"}` when the request does not
+  evict). A bad value raises vLLM's `VLLMValidationError`, so the client gets a 400 before any stream
+  starts.
+* **Reports.** The engine returns a finished request's report in `kv_transfer_params`; for n > 1 vLLM
+  keeps only one child's there. `RequestState.make_request_output` is wrapped to attach each child's
+  report to its own `CompletionOutput` (`EVICTION_ATTR`), and to record the eviction metrics.
+* **Usage.** The chat and completion response builders are wrapped to add `usage.eviction`
+  (server/eviction.py `usage_block`): non-streaming responses, and the final usage chunk of a stream.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from vllm_evict.engine.request_config import DEFAULT_ENV, EXTRA_ARGS_KEY
+
+logger = logging.getLogger(__name__)
+
+EVICTION_ATTR = "vllm_evict_report"  # on a CompletionOutput: that sequence's eviction report
+
+
+def server_defaults() -> dict[str, Any]:
+    """The server's default eviction fields ($VLLM_EVICT_DEFAULT), merged into every request's object."""
+    text = os.environ.get(DEFAULT_ENV)
+    return json.loads(text) if text else {}
+
+
+def request_fields(request) -> dict[str, Any] | None:
+    """The eviction object of an OpenAI request: the top-level `eviction` field, else the flat
+    `eviction_*` keys of `vllm_xargs` (`eviction_policy` -> `policy`), else None."""
+    fields = (request.model_extra or {}).get("eviction")
+    if fields is not None:
+        return fields
+    flat = {k[len("eviction_"):]: v for k, v in (request.vllm_xargs or {}).items() if k.startswith("eviction_")}
+    return flat or None
+
+
+def resolve_request(request):
+    """The request's resolved eviction config (None: no eviction); ValueError for bad values."""
+    from server.eviction import resolve
+
+    return resolve(request_fields(request), server_defaults())
+
+
+def _with_eviction_field(to_sampling_params):
+    def wrapped(self, *args, **kwargs):
+        from vllm.exceptions import VLLMValidationError
+
+        params = to_sampling_params(self, *args, **kwargs)
+        try:
+            config = resolve_request(self)
+        except ValueError as exc:
+            raise VLLMValidationError(str(exc), parameter="eviction") from None
+        from server.eviction import to_extra_args
+
+        extra_args = {k: v for k, v in (params.extra_args or {}).items() if not k.startswith("eviction_")}
+        params.extra_args = {**extra_args, **to_extra_args(config)}
+        return params
+
+    return wrapped
+
+
+def _attach_reports(make_request_output):
+    def wrapped(self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params=None,
+                *args, **kwargs):
+        report = kv_transfer_params.get(EXTRA_ARGS_KEY) if isinstance(kv_transfer_params, dict) else None
+        if report is None:
+            return make_request_output(self, new_token_ids, pooling_output, finish_reason, stop_reason,
+                                       kv_transfer_params, *args, **kwargs)
+        from server import metrics
+
+        metrics.observe_eviction(report, str(report.get("policy")))
+        new_completion_output = self._new_completion_output
+
+        def with_report(*a, **k):  # this child's output, before a parent request merges it
+            output = new_completion_output(*a, **k)
+            setattr(output, EVICTION_ATTR, report)
+            return output
+
+        self._new_completion_output = with_report
+        try:
+            return make_request_output(self, new_token_ids, pooling_output, finish_reason, stop_reason,
+                                       kv_transfer_params, *args, **kwargs)
+        finally:
+            del self._new_completion_output
+
+    return wrapped
+
+
+class _Reports:
+    """Eviction reports of one API request's sequences, keyed (prompt index, choice index)."""
+
+    def __init__(self) -> None:
+        self.by_sequence: dict[tuple[int, int], dict] = {}
+
+    def add(self, prompt_index: int, request_output) -> None:
+        for output in getattr(request_output, "outputs", None) or ():
+            report = getattr(output, EVICTION_ATTR, None)
+            if report is not None:
+                self.by_sequence[(prompt_index, output.index)] = report
+
+    async def watch(self, results):
+        """Pass a result generator through (items: RequestOutput, or (prompt index, RequestOutput))."""
+        async for item in results:
+            if isinstance(item, tuple):
+                self.add(*item)
+            else:
+                self.add(0, item)
+            yield item
+
+    def usage(self, request, num_prompts: int = 1) -> dict[str, Any]:
+        from server.eviction import usage_block
+
+        num_sequences = num_prompts * (request.n or 1)
+        reports = []
+        for (prompt_index, index), report in sorted(self.by_sequence.items()):
+            if num_sequences > 1:  # say which sequence each report is about
+                report = {**report, "index": index, **({"prompt_index": prompt_index} if num_prompts > 1 else {})}
+            reports.append(report)
+        return usage_block(resolve_request(request), reports, num_sequences=num_sequences)
+
+
+def _add_usage(response, reports: _Reports, request, num_prompts: int = 1):
+    usage = getattr(response, "usage", None)
+    if usage is not None:
+        usage.eviction = reports.usage(request, num_prompts)
+    return response
+
+
+def _with_usage_in_stream(chunks, reports: _Reports, request, num_prompts: int = 1):
+    """Server-sent events with `usage.eviction` added to the final usage chunk (the one before [DONE])."""
+
+    async def stream():
+        held = None
+        async for chunk in chunks:
+            if chunk.strip() == "data: [DONE]" and held is not None:
+                held = _usage_chunk(held, reports, request, num_prompts)
+            if held is not None:
+                yield held
+            held = chunk
+        if held is not None:
+            yield held
+
+    return stream()
+
+
+def _usage_chunk(chunk: str, reports: _Reports, request, num_prompts: int) -> str:
+    if not chunk.startswith("data: ") or '"usage"' not in chunk:
+        return chunk
+    body = json.loads(chunk[len("data: "):])
+    if body.get("choices") or not body.get("usage"):
+        return chunk
+    body["usage"]["eviction"] = reports.usage(request, num_prompts)
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def install_serving_hooks() -> None:
+    """Install the hooks above (idempotent); a no-op where vLLM's OpenAI server is not importable."""
+    try:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+        from vllm.v1.engine.output_processor import RequestState
+    except ImportError:  # pragma: no cover - a vLLM build without the OpenAI server
+        return
+    if getattr(RequestState, "_vllm_evict_hooked", False):
+        return
+    for request_cls in (ChatCompletionRequest, CompletionRequest):
+        request_cls.to_sampling_params = _with_eviction_field(request_cls.to_sampling_params)
+    RequestState.make_request_output = _attach_reports(RequestState.make_request_output)
+
+    chat_full = OpenAIServingChat.chat_completion_full_generator
+    chat_stream = OpenAIServingChat.chat_completion_stream_generator
+    completion_response = OpenAIServingCompletion.request_output_to_completion_response
+    completion_stream = OpenAIServingCompletion.completion_stream_generator
+
+    async def chat_completion_full_generator(self, request, result_generator, *args, **kwargs):
+        reports = _Reports()
+        response = await chat_full(self, request, reports.watch(result_generator), *args, **kwargs)
+        return _add_usage(response, reports, request)
+
+    def chat_completion_stream_generator(self, request, result_generator, *args, **kwargs):
+        reports = _Reports()
+        chunks = chat_stream(self, request, reports.watch(result_generator), *args, **kwargs)
+        return _with_usage_in_stream(chunks, reports, request)
+
+    def request_output_to_completion_response(self, final_res_batch, request, *args, **kwargs):
+        reports = _Reports()
+        for prompt_index, request_output in enumerate(final_res_batch):
+            reports.add(prompt_index, request_output)
+        response = completion_response(self, final_res_batch, request, *args, **kwargs)
+        return _add_usage(response, reports, request, len(final_res_batch))
+
+    def completion_stream_generator(self, request, engine_inputs, result_generator, *args, **kwargs):
+        reports = _Reports()
+        chunks = completion_stream(self, request, engine_inputs, reports.watch(result_generator), *args, **kwargs)
+        return _with_usage_in_stream(chunks, reports, request, len(engine_inputs))
+
+    OpenAIServingChat.chat_completion_full_generator = chat_completion_full_generator
+    OpenAIServingChat.chat_completion_stream_generator = chat_completion_stream_generator
+    OpenAIServingCompletion.request_output_to_completion_response = request_output_to_completion_response
+    OpenAIServingCompletion.completion_stream_generator = completion_stream_generator
+    RequestState._vllm_evict_hooked = True
