@@ -79,13 +79,15 @@ def configure(args: argparse.Namespace, parser) -> None:
         args.served_model_name = args.served_model_name or [TINY_MODEL_NAME]
         args.max_model_len = args.max_model_len or 2048
     needed = engine_kwargs(async_scheduling=args.async_scheduling)
-    for key, flag in (("scheduler_cls", "--scheduler-cls"), ("attention_backend", "--attention-backend")):
+    schedulers = {f"vllm_evict.engine.scheduler.{name}" for name in ("EvictionScheduler", "AsyncEvictionScheduler")}
+    for key, flag, accepted in (("scheduler_cls", "--scheduler-cls", schedulers),
+                                ("attention_backend", "--attention-backend", {needed.get("attention_backend")})):
         if key not in needed:
             continue
         value = getattr(args, key)
         if value in (None, parser.get_default(key)):
             setattr(args, key, needed[key])
-        elif str(getattr(value, "name", value)) != needed[key]:
+        elif str(getattr(value, "name", value)) not in accepted:
             raise ValueError(f"{flag} {value}: vllm-evict needs {flag} {needed[key]}")
     if (args.api_server_count or 1) > 1:
         raise ValueError(f"--api-server-count {args.api_server_count}: vllm-evict needs one API server process "

@@ -18,12 +18,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "vllm-evict.json"
 DEFAULT_OUT = ROOT / "docs" / "img" / "grafana-dashboard-layout.png"
-METRIC_RE = re.compile(r"vllm_evict:[A-Za-z0-9_:]+")
+# our vllm_evict:* families, and vLLM's own vllm:* / http_* ones (same /metrics endpoint)
+METRIC_RE = re.compile(r"\b(?:vllm_evict:|vllm:|http_)[A-Za-z0-9_:]+")
 COLORS = {"stat": "#dbeafe", "timeseries": "#dcfce7", "gauge": "#fef9c3", "row": "#e5e7eb"}
 
 
 def _short(name: str) -> str:
-    name = name.split(":", 1)[1]
+    name = name.removeprefix("vllm_evict:")  # vLLM's names keep their vllm: prefix
     return re.sub(r"_(bucket|total|sum|count)$", "", name)
 
 

@@ -625,7 +625,7 @@ def live_server(tiny_llama, tmp_path_factory):
     log = tmp_path_factory.mktemp("deploy-server") / "server.log"
     cmd = [sys.executable, "-m", "vllm_evict.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *ENGINE_FLAGS]
     env = dict(os.environ)
-    env.pop("VLLM_EVICT_API_KEY", None)
+    env.pop("VLLM_API_KEY", None)
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
