@@ -322,7 +322,7 @@ class EvictMetrics:
             self.blocks_freed.labels(policy=policy).inc(freed)
         latency_ms = _num(report.get("latency_ms"))
         if latency_ms is not None and latency_ms >= 0:
-            self.evict_latency.labels(policy=policy).observe(latency_ms / 100.0)
+            self.evict_latency.labels(policy=policy).observe(latency_ms / 1000.0)
 
 
 _metrics: EvictMetrics | None = None
@@ -339,7 +339,7 @@ def get_metrics() -> EvictMetrics:
     return _metrics
 
 
-def observe_eviction(report: dict[str, Any], policy: str) -> None:
+def observe_eviction(report: dict[str, Any], policy: str | None = None) -> None:
     """Record one finished request's eviction report (called in the API process)."""
     get_metrics().observe_eviction(report, policy)
 

@@ -41,6 +41,11 @@ def test_vllm_serve_flags_and_eviction_settings(tmp_path, monkeypatch):
         assert args.dtype == "float32" and args.kv_cache_memory_bytes == 1 << 30 and args.block_size == 16
 
 
+def test_one_api_server_with_data_parallel(tmp_path):
+    """vLLM would start one API server per data-parallel rank; the metrics need exactly one."""
+    assert configured(str(tmp_path), "--data-parallel-size", "2").api_server_count == 1
+
+
 def test_explicit_compatible_flags_win(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     args = configured("--model", str(tmp_path), "--dtype", "bfloat16", "--block-size", "32",

@@ -79,7 +79,7 @@ def _attach_reports(make_request_output):
                                        kv_transfer_params, *args, **kwargs)
         from server import metrics
 
-        metrics.observe_eviction(report, str(report.get("policy")))
+        metrics.observe_eviction(report)
         new_completion_output = self._new_completion_output
 
         def with_report(*a, **k):  # this child's output, before a parent request merges it
