@@ -1,4 +1,5 @@
-"""A real `vllm-evict serve` in a subprocess (tiny model, CPU-friendly flags), one per test module."""
+"""A real `vllm-evict serve` (vLLM's OpenAI API server with the plugin) in a subprocess (tiny model,
+CPU-friendly flags), one per test module. Every `vllm serve` flag can be passed in `extra_args`."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def start_server(log_dir: Path, *, model: str | None = None, api_key: str | None
     log_path = log_dir / "server.log"
     env = dict(os.environ)
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    env.pop("VLLM_EVICT_API_KEY", None)
+    for name in ("VLLM_API_KEY", "VLLM_EVICT_API_KEY", "VLLM_EVICT_DEFAULT"):  # only the flags given here apply
+        env.pop(name, None)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                 cwd=str(Path(__file__).resolve().parents[2]))
