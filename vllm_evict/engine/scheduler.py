@@ -47,6 +47,7 @@ class SchedulerEviction:
     blocks_before: int = 0
     prompt_tokens: int = 0
     latency_ms: float | None = None  # scoring + compaction, reported by the worker
+    reported: bool = False           # the report went out on a step's output (before the request ends)
 
 
 class EvictionKVCacheManager(KVCacheManager):
@@ -181,11 +182,29 @@ class _EvictionSchedulerMixin:
                 self.kv_cache_manager.swap_to_compacted(req_id, ev)
 
     def update_from_output(self, scheduler_output, model_runner_output):
+        ready = []
         for req_id, ms in (getattr(model_runner_output, LATENCY_ATTR, None) or {}).items():
             ev = self.evictions.get(req_id)
             if ev is not None:
                 ev.latency_ms = (ev.latency_ms or 0.0) + ms
-        return super().update_from_output(scheduler_output, model_runner_output)
+                if ev.compacted and not ev.reported:
+                    ready.append(req_id)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if ready:
+            self._send_reports(ready, outputs)
+        return outputs
+
+    def _send_reports(self, req_ids, outputs) -> None:
+        """The report of a finished compaction, on the request's output of this step: the API process
+        keeps it even if it ends the request itself (a stop string) or the client goes away. The final
+        output carries it again (`_free_request`), for offline use."""
+        pending = {req_id: self.evictions[req_id] for req_id in req_ids if req_id in self.evictions}
+        for engine_outputs in outputs.values():
+            for output in engine_outputs.outputs:
+                ev = pending.pop(output.request_id, None)
+                if ev is not None:
+                    output.kv_transfer_params = {**(output.kv_transfer_params or {}), EXTRA_ARGS_KEY: self._report(ev)}
+                    ev.reported = True
 
     def _free_request(self, request, delay_free_blocks: bool = False):
         kv_xfer_params, ec_xfer_params = super()._free_request(request, delay_free_blocks)

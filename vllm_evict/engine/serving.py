@@ -8,9 +8,12 @@ eviction reports, and `usage.eviction` in responses.
   and writes the result to `extra_args["vllm_evict"]` (`{"policy": "none"}` when the request does not
   evict). A bad value raises vLLM's `VLLMValidationError`, so the client gets a 400 before any stream
   starts.
-* **Reports.** The engine returns a finished request's report in `kv_transfer_params`; for n > 1 vLLM
-  keeps only one child's there. `RequestState.make_request_output` is wrapped to attach each child's
-  report to its own `CompletionOutput` (`EVICTION_ATTR`), and to record the eviction metrics.
+* **Reports.** The engine sends a request's report in `kv_transfer_params`: on its output of the step
+  after compaction (scheduler.py) and on its final output. `RequestState.make_request_output` is wrapped
+  to keep it on the request's state (so a request that the API process ends itself, on a stop string,
+  still has it), to take it out of `kv_transfer_params` (vLLM would echo it, one child's only), to attach
+  it to the sequence's final `CompletionOutput` (`EVICTION_ATTR`; for n > 1 each child has its own), and
+  to record the eviction metrics once per request.
 * **Usage.** The chat and completion response builders are wrapped to add `usage.eviction`
   (server/eviction.py `usage_block`): non-streaming responses, and the final usage chunk of a stream.
 """
@@ -74,12 +77,17 @@ def _attach_reports(make_request_output):
     def wrapped(self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params=None,
                 *args, **kwargs):
         report = kv_transfer_params.get(EXTRA_ARGS_KEY) if isinstance(kv_transfer_params, dict) else None
-        if report is None:
+        if report is not None:  # on the output of the step that finished compaction, and on the last one
+            if getattr(self, EVICTION_ATTR, None) is None:
+                from server import metrics
+
+                metrics.observe_eviction(report)  # once per request, even if it is aborted later
+            setattr(self, EVICTION_ATTR, report)
+            kv_transfer_params = {k: v for k, v in kv_transfer_params.items() if k != EXTRA_ARGS_KEY} or None
+        report = getattr(self, EVICTION_ATTR, None)
+        if report is None or finish_reason is None:  # only the sequence's final output carries it
             return make_request_output(self, new_token_ids, pooling_output, finish_reason, stop_reason,
                                        kv_transfer_params, *args, **kwargs)
-        from server import metrics
-
-        metrics.observe_eviction(report)
         new_completion_output = self._new_completion_output
 
         def with_report(*a, **k):  # this child's output, before a parent request merges it
