@@ -159,6 +159,22 @@ def final_user(instrs) -> str:
     return users[-1]
 
 
+def resolve_build_args(instrs) -> dict[str, str]:
+    """{ARG name: default} of every `ARG NAME=default`."""
+    return dict(a.split("=", 1) for a in instr(instrs, "ARG") if "=" in a)
+
+
+def shell_runs(instrs) -> list[str]:
+    """The shell-form RUN commands (flags such as --mount= dropped)."""
+    out = []
+    for args in instr(instrs, "RUN"):
+        while args.startswith("--"):
+            args = args.split(None, 1)[1]
+        if not args.startswith("["):
+            out.append(args)
+    return out
+
+
 def check_common_dockerfile(path: Path) -> list[tuple[str, str]]:
     instrs = dockerfile_instructions(path)
     assert instrs[0][0] in ("FROM", "ARG"), instrs[0]
@@ -213,7 +229,10 @@ def test_gpu_dockerfile():
 
 def test_cpu_dockerfile():
     instrs = check_common_dockerfile(DEPLOY / "Dockerfile.cpu")
-    (base,) = instr(instrs, "FROM")
+    # configurable base (deploy/build_local.sh passes a debootstrapped Debian one), the public image by default
+    assert instrs[0] == ("ARG", "BASE_IMAGE=python:3.11-slim-bookworm"), instrs[0]
+    assert instr(instrs, "FROM") == ["${BASE_IMAGE}"]
+    base = resolve_build_args(instrs)["BASE_IMAGE"]
     assert re.fullmatch(r"python:3\.1[0-3][-.\w]*", base), base
     runs = instr(instrs, "RUN")
     assert any("bash scripts/setup.sh" in r for r in runs), "CPU image must use the README's setup.sh route"
@@ -226,6 +245,70 @@ def test_cpu_dockerfile():
     assert make_tiny and make_tiny[0] > names.index("USER"), "the tiny model must be built as the runtime user"
     env = " ".join(instr(instrs, "ENV"))
     assert "VLLM_EVICT_CACHE=" in env and "PATH=/opt/venv/bin" in env
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cpu"])
+def test_dockerfile_run_lines_are_valid_shell(name):
+    """Every RUN line parses as /bin/sh (dash in Debian images, what RUN uses) and bash; the GPU image's
+    install line picks pip or uv and installs the package --no-deps. (deploy/build_local.sh `gpu` runs the GPU
+    Dockerfile's lines for real on a stand-in base; tests/deploy/test_container_images.py.)"""
+    runs = shell_runs(dockerfile_instructions(DEPLOY / name))
+    assert runs
+    for run in runs:
+        for sh in ("sh", "bash"):
+            if shutil.which(sh):
+                r = subprocess.run([sh, "-n", "-c", run], capture_output=True, text=True, timeout=30)
+                assert r.returncode == 0, f"{name}: RUN does not parse with {sh}: {r.stderr}\n{run}"
+    if name == "Dockerfile":
+        (install,) = [r for r in runs if "missing_deps.py" in r]
+        assert 'PIP="python3 -m pip"' in install and 'PIP="uv pip"' in install and 'SYS="--system"' in install
+        assert re.search(r"\$PIP install \$SYS --no-deps \.;", install)
+        assert re.search(r"\$PIP install \$SYS -r /tmp/missing.txt", install)
+
+
+def documented_run_args() -> dict[str, list[str]]:
+    """The arguments each documented way of running the GPU image appends to its ENTRYPOINT: the `docker run`
+    examples in deploy/README.md and deploy/Dockerfile, compose's `command` (defaults interpolated) and the
+    Kubernetes Deployment's `args`."""
+    import shlex
+
+    out = {}
+    for path in (DEPLOY / "README.md", DEPLOY / "Dockerfile"):
+        text = re.sub(r"\\\n\s*(#\s*)?", " ", path.read_text())  # join continued lines (also in comments)
+        for line in text.splitlines():
+            m = re.search(r"docker run .*?\bvllm-evict:0\.1\.0 (.*)$", line)
+            if m:
+                out[f"{path.name}: docker run"] = shlex.split(m.group(1))
+    assert len(out) == 2, out
+    gpu = compose()["services"]["vllm-evict"]
+    out["compose command"] = [re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(a)) for a in gpu["command"]]
+    (c,) = k8s_objects()["Deployment"]["spec"]["template"]["spec"]["containers"]
+    out["k8s args"] = [str(a) for a in c["args"]]
+    return out
+
+
+def test_entrypoints_parse_the_documented_arguments():
+    """ENTRYPOINT (+ what README / compose / k8s append) is a valid `vllm-evict serve` command line: parsed
+    by the real parser (vLLM's serve flags + the eviction defaults), no engine started."""
+    pytest.importorskip("vllm")
+    import tomllib
+
+    from server.cli import build_parser, eviction_defaults
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["vllm-evict"] == "vllm_evict.cli:main"
+    runs = {("Dockerfile", k): v for k, v in documented_run_args().items()}
+    runs[("Dockerfile.cpu", "no arguments")] = []
+    for (name, source), extra in runs.items():
+        ep = exec_form(instr(dockerfile_instructions(DEPLOY / name), "ENTRYPOINT")[-1])
+        assert ep[:2] == ["vllm-evict", "serve"]
+        args = build_parser().parse_args(ep[2:] + extra)
+        assert (args.host, args.port) == ("0.0.0.0", SERVER_PORT), (name, source)
+        if extra:
+            assert args.model_tag == extra[0] == "Qwen/Qwen2.5-1.5B-Instruct", (source, extra)
+            assert eviction_defaults(args)["policy"] == "snapkv", source
+        else:
+            assert args.model_tag is None  # the tiny model
 
 
 def test_setup_script_honours_venv_env():
