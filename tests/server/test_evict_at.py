@@ -36,3 +36,27 @@ def test_no_eviction_is_explicit():
 def test_engine_unsupported_chunked_is_a_field_error():
     with pytest.raises(EvictionFieldError, match="chunked"):
         resolve({"policy": "keydiff", "budget": 0.2, "chunked": True}, {})
+
+
+def test_vllm_xargs_strings_are_typed_like_the_engine_types_them(monkeypatch):
+    """vllm_xargs values may be strings; the OpenAI request hook reads them with the engine's flat parser
+    and merges the server defaults."""
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from vllm_evict.engine import serving
+
+    serving.install_serving_hooks()
+    monkeypatch.setattr(serving, "server_defaults", lambda: {"allocation": "adakv"})
+    request = CompletionRequest(model="m", prompt="p", max_tokens=4,
+                                vllm_xargs={"eviction_policy": "snapkv", "eviction_budget": "0.25",
+                                            "eviction_evict_at": "300", "other": 1})
+    params = request.to_sampling_params(4, {})
+    assert params.extra_args["vllm_evict"] == {**resolve({"policy": "snapkv", "budget": 0.25, "evict_at": 300,
+                                                           "allocation": "adakv"}, {}).to_dict()}
+    assert params.extra_args["other"] == 1 and "eviction_budget" not in params.extra_args
+    from vllm.exceptions import VLLMValidationError
+
+    bad = CompletionRequest(model="m", prompt="p", max_tokens=4, vllm_xargs={"eviction_nope": "1"})
+    with pytest.raises(VLLMValidationError, match="eviction_nope"):
+        bad.to_sampling_params(4, {})

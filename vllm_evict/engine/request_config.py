@@ -50,22 +50,28 @@ def _from_mapping(spec: Mapping[str, Any]) -> RequestEviction | None:
     return None if config is None else RequestEviction(config, evict_at)
 
 
+def flat_request(extra_args: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The eviction object given as flat `eviction_*` keys (values typed, `eviction_evict_at` included),
+    or None when there are none. The fields may be partial (the OpenAI server merges its defaults)."""
+    flat = dict(extra_args or {})
+    if not any(str(k).startswith("eviction_") for k in flat):
+        return None
+    evict_at = flat.pop("eviction_evict_at", None)
+    fields = EvictionConfig.flat_fields(flat)
+    if evict_at is not None:
+        fields["evict_at"] = int(evict_at)
+    return fields
+
+
 def parse_request(extra_args: Mapping[str, Any] | None) -> RequestEviction | None:
     """Eviction requested by `SamplingParams.extra_args` (nested or flat `eviction_*` keys), else the
     engine default from $VLLM_EVICT_DEFAULT, else None. Raises ValueError naming the bad field."""
     extra_args = extra_args or {}
     if EXTRA_ARGS_KEY in extra_args:
         return _from_mapping(extra_args[EXTRA_ARGS_KEY])
-    if any(str(k).startswith("eviction_") for k in extra_args):
-        flat = dict(extra_args)
-        evict_at = flat.pop("eviction_evict_at", None)
-        config = EvictionConfig.from_flat(flat)
-        if config is None:
-            return None
-        spec = config.to_dict()
-        if evict_at is not None:
-            spec["evict_at"] = int(evict_at)
-        return _from_mapping(spec)
+    flat = flat_request(extra_args)
+    if flat is not None:
+        return None if flat.get("policy") in (None, "none") else _from_mapping(flat)
     default = os.environ.get(DEFAULT_ENV)
     if default:
         import json

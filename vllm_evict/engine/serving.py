@@ -20,32 +20,30 @@ eviction reports, and `usage.eviction` in responses.
 
 from __future__ import annotations
 
+import functools
 import json
-import logging
 import os
 from typing import Any
 
-from vllm_evict.engine.request_config import DEFAULT_ENV, EXTRA_ARGS_KEY
-
-logger = logging.getLogger(__name__)
+from vllm_evict.engine.request_config import DEFAULT_ENV, EXTRA_ARGS_KEY, flat_request
 
 EVICTION_ATTR = "vllm_evict_report"  # on a CompletionOutput: that sequence's eviction report
 
 
+@functools.cache
 def server_defaults() -> dict[str, Any]:
-    """The server's default eviction fields ($VLLM_EVICT_DEFAULT), merged into every request's object."""
+    """The server's default eviction fields ($VLLM_EVICT_DEFAULT, set before the server starts), merged into
+    every request's object; read once per process."""
     text = os.environ.get(DEFAULT_ENV)
     return json.loads(text) if text else {}
 
 
 def request_fields(request) -> dict[str, Any] | None:
     """The eviction object of an OpenAI request: the top-level `eviction` field, else the flat
-    `eviction_*` keys of `vllm_xargs` (`eviction_policy` -> `policy`), else None."""
+    `eviction_*` keys of `vllm_xargs` (`eviction_policy` -> `policy`, typed as the engine types them),
+    else None."""
     fields = (request.model_extra or {}).get("eviction")
-    if fields is not None:
-        return fields
-    flat = {k[len("eviction_"):]: v for k, v in (request.vllm_xargs or {}).items() if k.startswith("eviction_")}
-    return flat or None
+    return fields if fields is not None else flat_request(request.vllm_xargs)
 
 
 def resolve_request(request):

@@ -93,18 +93,12 @@ class EvictionConfig:
         return cls(**dict(d))
 
     @classmethod
-    def from_flat(cls, extra_args: Mapping[str, Any] | None) -> "EvictionConfig | None":
-        """Read flat vllm_xargs keys eviction_policy / eviction_budget / eviction_allocation / eviction_<option>.
-
-        Values may be strings ("0.1" -> 0.1, "2048" -> 2048, "true"/"1" -> True for chunked). Other keys
-        (not starting with "eviction_") are ignored. Returns None if eviction_policy is absent or "none".
-        """
-        if not extra_args:
-            return None
-        flat = {k[len(FLAT_PREFIX):]: v for k, v in extra_args.items() if isinstance(k, str) and k.startswith(FLAT_PREFIX)}
-        policy = flat.get("policy")
-        if policy is None or policy == "none":
-            return None
+    def flat_fields(cls, extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The fields of flat vllm_xargs keys eviction_policy / eviction_budget / eviction_allocation /
+        eviction_<option>, typed: values may be strings ("0.1" -> 0.1, "2048" -> 2048, "true"/"1" -> True
+        for chunked). Other keys (not starting with "eviction_") are ignored; unknown eviction_ keys raise."""
+        flat = {k[len(FLAT_PREFIX):]: v for k, v in (extra_args or {}).items()
+                if isinstance(k, str) and k.startswith(FLAT_PREFIX)}
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(FLAT_PREFIX + k for k in flat if k not in fields)
         if unknown:
@@ -119,6 +113,14 @@ class EvictionConfig:
                 d[key] = _parse_bool(key, value)
             else:
                 d[key] = value
+        return d
+
+    @classmethod
+    def from_flat(cls, extra_args: Mapping[str, Any] | None) -> "EvictionConfig | None":
+        """The config of flat vllm_xargs keys (`flat_fields`); None if eviction_policy is absent or "none"."""
+        d = cls.flat_fields(extra_args)
+        if d.get("policy") in (None, "none"):
+            return None
         return cls.from_dict(d)
 
     def to_dict(self) -> dict[str, Any]:
