@@ -371,6 +371,8 @@ def run_one(args) -> dict:
 # Each plan: the engines of one device call, vanilla first; (engine, suite, extra arguments, seconds).
 PREFILL_ARGS = ["--prefill-shapes", "8192:32", "16384:32", "32768:16", "--ttft-lengths", "8192", "32768",
                 "--repeats", "3", "--max-model-len", "33280"]
+PREFILL14_ARGS = ["--prefill-shapes", "8192:64", "16384:64", "32768:32", "--ttft-lengths", "8192", "32768",
+                  "--repeats", "3", "--max-model-len", "33280"]
 E2E_SHAPES = ["--shapes", "32768:256:8", "16384:512:16", "8192:2048:32", "--max-model-len", "33280"]
 PLANS = {
     # issue 13: decode-step table (batches 1..256 at 1024 KV tokens per head) and the three end-to-end shapes
@@ -383,6 +385,11 @@ PLANS = {
     "prefill14": [("vanilla", "prefill", PREFILL_ARGS, 200),
                   ("evict", "prefill", PREFILL_ARGS + ["--prefill-policies", "dropkv:uniform", "snapkv:uniform",
                                                        "keydiff:uniform", "dropkv:adakv"], 340)],
+    # issue 14, session 6: the issue's shapes (64 x 8K, 64 x 16K, 32 x 32K) in two calls, each with its vanilla
+    "prefill14a": [("vanilla", "prefill", PREFILL14_ARGS, 240),
+                   ("evict", "prefill", PREFILL14_ARGS + ["--prefill-policies", "dropkv:uniform", "snapkv:uniform"], 330)],
+    "prefill14b": [("vanilla", "prefill", PREFILL14_ARGS, 240),
+                   ("evict", "prefill", PREFILL14_ARGS + ["--prefill-policies", "keydiff:uniform", "dropkv:adakv"], 330)],
     # the last call of session 4: the 8K shape and the prefill table on the same two engines
     "final13_14": [("vanilla", "e2e,prefill", ["--shapes", "8192:2048:32", "--prefill-shapes", "8192:32", "32768:16",
                                                "--ttft-lengths", "8192", "32768", "--repeats", "3",

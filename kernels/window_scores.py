@@ -43,14 +43,14 @@ Nothing of size w x n or w x n x d ever reaches HBM; K/V are never repeated for 
 Scratch: a [B*H_kv, M_P, D_P] fp32, LSE [B*H_kv, M_P] fp32 and, with split-K,
 (m, l) [B*H_kv, S, M_P] and acc [B*H_kv, S, M_P, D_P] fp32 (a few MB).
 
-Precision (SPEC §5): dots of two bf16/fp16 operands accumulate in fp32; the dots with an fp32
-operand (P·V in kernel A, a·vᵀ in kernel B) run in IEEE fp32 (``precision="ieee"``, default).
-``precision="bf16x3"`` is an opt-in alternative for bf16/fp16 inputs: the fp32 operand is split
-exactly into three bf16 parts (x = x1 + x2 + x3, 24 significand bits kept) and the three
-products with the bf16 operand (exact in fp32) are accumulated in fp32 on the tensor cores.
-Measured on an H100 (docs/BENCHMARKS.md): same max error vs the fp32 reference as ieee, and
-dropkv at 128K takes 0.48 ms instead of 1.29 ms (obcache-joint: 1.3 ms instead of 37 ms). It is
-NOT the SPEC default; kernels/NOTES.md recommends a SPEC change.
+Precision (SPEC §5): dots of two bf16/fp16 operands accumulate in fp32. For the dots with an fp32
+operand (P·V in kernel A, a·vᵀ in kernel B) the default for bf16/fp16 inputs is ``precision="bf16x3"``:
+the fp32 operand is split exactly into three parts of the input's 16-bit type (x = x1 + x2 + x3, 24
+significand bits kept) and the three products (exact in fp32) are accumulated in fp32 on the tensor
+cores. SPEC §5 (revised 2026-11-23) makes the fastest fp32-accurate mode the default: measured on an
+H100 (docs/BENCHMARKS.md), bf16x3 has the same max error vs the fp32 reference as IEEE fp32 dots, and
+dropkv at 128K takes 0.48 ms instead of 1.29 ms (obcache-joint: 1.3 ms instead of 37 ms).
+``precision="ieee"`` runs those dots as IEEE fp32 FMA dots on the CUDA cores; fp32 inputs always do.
 
 The module imports on a machine without Triton or CUDA; the kernels need both at call time.
 """
@@ -105,7 +105,7 @@ class WindowScoreConfig:
     """Launch parameters. ``None`` picks the default for the precision (tuned on an H100,
     see kernels/NOTES.md)."""
 
-    precision: str = "ieee"  # "ieee" (SPEC §5) or "bf16x3"
+    precision: str = "bf16x3"  # or "ieee" (SPEC §5: the fastest fp32-accurate mode is the default)
     block_n_a: int | None = None  # key tile of kernel A
     num_warps_a: int | None = None
     num_stages_a: int | None = None
@@ -170,9 +170,10 @@ if _HAS_TRITON:
         else:
             return tl.dot(q, tl.trans(k))
 
-    # Nothing that depends on the prompt length is a compile-time constant or a specialized integer:
-    # one compiled variant per (policy, gqa, precision, dtype, shape of the heads) serves every n.
-    @triton.jit(do_not_specialize=["n", "w", "tiles_per_split"])
+    # Nothing that depends on the prompt length or on the number of KV heads (the engine folds layers
+    # into them) is a compile-time constant or a specialized integer: one compiled variant per (policy,
+    # gqa, precision, dtype, group size and head dim) serves every n and head count.
+    @triton.jit(do_not_specialize=["n", "w", "H_kv", "tiles_per_split"])
     def _window_fwd_kernel(
         Q, K, V,
         M_PART, L_PART, ACC_PART,  # split-K partials (always written; kernel C merges them)
@@ -267,7 +268,7 @@ if _HAS_TRITON:
             a = acc / l_star[:, None]
             tl.store(A_OUT + bh.to(tl.int64) * (M_P * D_P) + rows[:, None] * D_P + offs_d[None, :], a)
 
-    @triton.jit(do_not_specialize=["n", "w", "num_sub"])
+    @triton.jit(do_not_specialize=["n", "w", "H_kv", "num_sub"])
     def _window_score_kernel(
         Q, K, V, A, LSE, OUT,
         n, w, g, H_kv, scale, inv_w, inv_g, eps, num_sub,

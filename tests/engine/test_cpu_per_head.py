@@ -8,7 +8,8 @@ import torch
 
 ops = pytest.importorskip("vllm._custom_ops")
 
-from vllm_evict.engine.compaction import compaction_slots  # noqa: E402
+from vllm_evict.engine import compaction  # noqa: E402
+from vllm_evict.engine.compaction import LayerCompaction, compaction_slots, plan_compaction  # noqa: E402
 from vllm_evict.engine.cpu_backend import CpuPagedCache  # noqa: E402
 from vllm_evict.engine import per_head  # noqa: E402
 from vllm_evict.engine.worker import StepPlan, WorkerEviction  # noqa: E402
@@ -51,8 +52,7 @@ def test_compaction_slots_flat_layout():
         keep = torch.zeros(heads, E, dtype=torch.bool)
         for h, c in enumerate(counts):
             keep[h, torch.randperm(E)[: c * N - (h % 2)]] = True   # a partly filled last page too
-        layout, slots = compaction_slots(keep, torch.tensor(counts), torch.tensor(fresh), N)
-        assert layout.kept.tolist() == keep.sum(1).tolist()
+        slots = compaction_slots(keep, torch.tensor(counts), torch.tensor(fresh), N)
         start = 0
         for h, c in enumerate(counts):
             kept_positions = keep[h].nonzero().flatten().tolist()
@@ -64,6 +64,50 @@ def test_compaction_slots_flat_layout():
                     assert page == fresh[v // N] * heads + h
             assert (slots[~keep[h], h] == -1).all()
             start += c
+
+
+@pytest.mark.parametrize("policy, allocation", [("dropkv", "uniform"), ("snapkv", "adakv"), ("knorm", "adakv"),
+                                                ("keydiff", "uniform"), ("caote", "uniform")])
+def test_all_layers_at_once_equal_layer_by_layer(monkeypatch, policy, allocation):
+    """compact_request folds the layers of a group into the head axis: every layer's cache and layout must
+    equal scoring, selecting and writing that layer alone; groups of 1, 2 and all 3 layers."""
+    torch.manual_seed(4)
+    E, P, num_layers, Hq = 150, 3, 3, 2 * H
+    prompt_blocks = torch.tensor([5, 3, 9, 12, 20, 7, 40, 41, 42, 43], dtype=torch.int32)
+    fresh = torch.tensor([30, 31, 32])
+    config = EvictionConfig.from_dict({"policy": policy, "budget": P * N, "allocation": allocation})
+    keys, values = torch.randn(num_layers, E, H, D), torch.randn(num_layers, E, H, D)
+    keys[:, :, 1] *= 6  # head 1 attends sharply, head 0 flatly: Ada-KV gives them different pages
+    keys[:, : E // 2, 1, 0] += 12
+    q_window = {i: torch.randn(config.window_size(), Hq, D) for i in range(num_layers)}
+
+    expected = []
+    for i in range(num_layers):
+        kv, cache = make_cache()
+        write_standard(kv, keys[i], values[i], prompt_blocks)
+        keep, counts = plan_compaction(config, q_window[i], keys[i], values[i], 0.125, N, P)
+        cache.write_pages(keys[i].reshape(E * H, D), values[i].reshape(E * H, D),
+                          compaction_slots(keep, counts, fresh, N).reshape(-1))
+        expected.append((kv[fresh.long()].clone(), counts, keep.sum(1)))
+
+    per_layer = 2 * E * H * D * 4
+    for group_layers in (1, 2, 3):
+        monkeypatch.setattr(compaction, "GROUP_BYTES", group_layers * per_layer)
+        layers = []
+        for i in range(num_layers):
+            kv, cache = make_cache()
+            write_standard(kv, keys[i], values[i], prompt_blocks)
+            layers.append((i, cache, kv))
+        state = WorkerEviction(req_id="r", spec=RequestEviction(config), evict_at=E, pages=P,
+                               window=config.window_size(), page_size=N, q_window=dict(q_window))
+        state.prompt_device, state.fresh_device = prompt_blocks, fresh
+        compaction.compact_request(state, [(i, cache) for i, cache, _ in layers], 0.125)
+        for i, _, kv in layers:
+            pages, counts, kept = expected[i]
+            assert torch.equal(kv[fresh.long()], pages), (group_layers, i)
+            assert torch.equal(state.layers[i].page_counts, counts) and torch.equal(state.layers[i].kept, kept)
+        if allocation == "adakv":
+            assert any(len(set(c.tolist())) > 1 for _, c, _ in expected)  # the allocation is uneven
 
 
 def explicit_attention(q, keys, values, scale):
@@ -85,7 +129,8 @@ def test_compact_then_decode_matches_explicit(allocation):
     keep = torch.zeros(H, E, dtype=torch.bool)
     for h in range(H):
         keep[h, torch.randperm(E)[: int(counts[h]) * N]] = True
-    layout, slots = compaction_slots(keep, counts, torch.tensor(fresh), N)
+    slots = compaction_slots(keep, counts, torch.tensor(fresh), N)
+    layout = LayerCompaction(page_counts=counts, kept=keep.sum(1))
     cache.write_pages(keys.reshape(E * H, D), values.reshape(E * H, D), slots.reshape(-1))
 
     config = EvictionConfig.from_dict({"policy": "keydiff", "budget": 32, "allocation": allocation})

@@ -17,7 +17,7 @@ def test_compacted_and_plain_rows_match_explicit(allocation):
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
 
     from vllm_evict.engine import per_head
-    from vllm_evict.engine.compaction import compaction_slots
+    from vllm_evict.engine.compaction import LayerCompaction, compaction_slots
     from vllm_evict.engine.cuda_backend import CudaPagedCache
     from vllm_evict.engine.request_config import RequestEviction
     from vllm_evict.engine.worker import StepPlan, WorkerEviction
@@ -45,7 +45,8 @@ def test_compacted_and_plain_rows_match_explicit(allocation):
     keep = torch.zeros(H, E, dtype=torch.bool, device=dev)
     for h in range(H):
         keep[h, torch.randperm(E, device=dev)[: int(counts[h]) * N]] = True
-    layout, slots = compaction_slots(keep, counts.to(dev), torch.tensor(fresh, device=dev), N)
+    slots = compaction_slots(keep, counts.to(dev), torch.tensor(fresh, device=dev), N)
+    layout = LayerCompaction(page_counts=counts.to(dev), kept=keep.sum(1))
     cache.write_pages(gk.reshape(E * H, D), gv.reshape(E * H, D), slots.reshape(-1))
     plain_blocks = torch.tensor([60, 61, 62], device=dev, dtype=torch.int32)
     plain_k, plain_v = torch.randn(L1, H, D, device=dev, dtype=dt), torch.randn(L1, H, D, device=dev, dtype=dt)

@@ -285,7 +285,7 @@ def test_overflowing_score_is_not_protected():
         name = "huge"
 
         def key_score(self, k):
-            return k[:, 0] * float("inf")
+            return k[..., 0] * float("inf")  # k [heads, n, D]
 
     k = torch.tensor([[1.0], [0.5], [-1.0], [2.0]])[:, None, :]
     s = Huge().score(None, k, k, window=1, pool_kernel=1, sink=0, gqa="mean", scale=1.0)

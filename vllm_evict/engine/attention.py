@@ -7,24 +7,18 @@ Stock behaviour unless the step's plan says otherwise:
   Uniform decode steps run it inside FULL CUDA graphs of their own (worker.PerHeadDecodeBatch), with
   tables computed on device from persistent buffers; other steps build the tables eagerly;
   uniformly compacted requests need nothing here (the worker shifted their lengths and slots);
-- compaction: after this layer's attention, score and compact the requests whose chunk ended at
-  their eviction point (compaction.py).
+- compaction: a step in which requests reach their eviction point records each layer's cache adapter;
+  worker.py compacts all layers at once after the model forward (compaction.py).
 Subclasses provide the cache adapter and the two kernel calls.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 from vllm.model_executor.models.utils import extract_layer_index
 
 from vllm_evict.engine import per_head
-from vllm_evict.engine.compaction import compaction_slots, plan_compaction
 from vllm_evict.engine.worker import STATE, per_head_graph_step
-
-
-DUMP_DIR = os.environ.get("VLLM_EVICT_DUMP_KEEP")
 
 
 class EvictionAttentionMixin:
@@ -72,8 +66,9 @@ class EvictionAttentionMixin:
                 self._per_head_forward(layer_idx, query, key, value, cache, attn_metadata, output, plan)
         else:
             self._stock_attention(layer, query, key, value, kv_cache, attn_metadata, output)
-        for row in plan.compacting:
-            self._compact(layer_idx, row, query, cache, attn_metadata, plan)
+        if plan.compacting and self.kv_sharing_target_layer_name is None:
+            plan.layer_caches.append((layer_idx, cache))
+            plan.scale = self.scale
         return output
 
     def _cached_paged_cache(self, layer, kv_cache):
@@ -98,21 +93,3 @@ class EvictionAttentionMixin:
         self._per_head_attention(q, cache, vqsl, tables.seq_lens.reshape(-1),
                                  tables.pages.reshape(H * num_reqs, -1), md.max_query_len, md.max_seq_len, out)
         output[:n].view(n, H, g, D).copy_(out.view(H, n, g, D).transpose(0, 1))
-
-    def _compact(self, layer_idx, row, query, cache, md, plan) -> None:
-        state = plan.states[row]
-        started = STATE.latency.start(query.device)
-        blocks = md.block_table[row]
-        if state.fresh_device is None:  # host ids, copied once per compaction step: no device sync
-            state.fresh_device = per_head.host_to_device(state.fresh_blocks, query.device)
-        keys, values = cache.gather_prefix(blocks[: state.prompt_blocks], state.evict_at)
-        q_window = state.q_window.get(layer_idx, query.new_empty(0, *query.shape[1:]))
-        keep, page_counts = plan_compaction(state.spec.config, q_window, keys, values, self.scale,
-                                            plan.page_size, state.pages)
-        layout, slots = compaction_slots(keep, page_counts, state.fresh_device, plan.page_size)
-        E, H, D = keys.shape
-        cache.write_pages(keys.reshape(E * H, D), values.reshape(E * H, D), slots.reshape(-1))
-        state.layers[layer_idx] = layout
-        STATE.latency.stop(state.req_id, started)
-        if DUMP_DIR:  # kept sets for offline comparison with a reference (GPU checks)
-            torch.save(keep.cpu(), os.path.join(DUMP_DIR, f"{state.req_id}.L{layer_idx}.pt"))

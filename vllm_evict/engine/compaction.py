@@ -1,4 +1,5 @@
-"""Scoring + compaction of one request's prompt KV in one layer, and the per-head page layout.
+"""Scoring + compaction of one request's prompt KV, all layers of a step at once, and the per-head page
+layout.
 
 Page layout ("flat slots"). A block holds one page per KV head, so page id = block * H_kv + slot. After
 compaction a request owns P fresh blocks = P*H_kv pages per layer, numbered by flat slot
@@ -9,18 +10,27 @@ vLLM's own layout, so a uniformly compacted request is a stock request whose pos
 E - P*page_size (see worker.py). Tokens after the eviction point go to head h's slot of the tail blocks
 (the blocks after the P fresh ones), continuing after the head's kept tokens.
 
-Everything here runs on the cache's device without host synchronisation, except Ada-KV's exact page
-rounding (SPEC §3.4), which is host arithmetic.
+Compaction runs once per step, after the model forward (worker.py), over all layers of a request:
+layers are folded into the head axis (layer-major: head l*H + h), so one scoring call, one selection
+and one slot computation serve a group of layers; a group's gathered prompt KV is bounded by
+GROUP_BYTES. Everything runs on the cache's device without host synchronisation, except Ada-KV's exact
+page rounding (SPEC §3.4), which is host arithmetic.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from vllm_evict.policies import allocate_pages, keep_mask, kept_counts, score_tokens
 from vllm_evict.policies.config import EvictionConfig
+
+# Gathered prompt K/V of one layer group: below the activation memory vLLM profiled for a forward pass
+# (the forward's activations are free when compaction runs), so the KV cache it sized is never short.
+GROUP_BYTES = 512 << 20
+DUMP_DIR = os.environ.get("VLLM_EVICT_DUMP_KEEP")
 
 
 @dataclass
@@ -31,58 +41,100 @@ class LayerCompaction:
     kept: torch.Tensor         # [H] int64 kept tokens K_h = min(E, p_h * page_size)
 
 
-def plan_compaction(config: EvictionConfig, q_window: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    scale: float, page_size: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kept mask [H, E] and pages per head [H] (int64, device) for keys/values [E, H, D] and window queries
-    [w, Hq, D]; `pages` is P, which the scheduler derived from the request alone.
+def plan_compaction(config: EvictionConfig, q_window: torch.Tensor | None, keys: torch.Tensor,
+                    values: torch.Tensor, scale: float, page_size: int, pages: int,
+                    num_layers: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept mask [L*H, E] and pages per head [L*H] (int64, device) for keys/values [E, L*H, D] and window
+    queries [w, L*Hq, D] of L layers folded into the head axis (layer-major); `pages` is P, which the
+    scheduler derived from the request alone.
 
-    Same result as `select_tokens`. Uniform allocation needs no host value (P is known); Ada-KV's global
-    allocation runs once, on the host (exact rounding)."""
+    Per layer the same result as `select_tokens`. Uniform allocation needs no host value (P is known);
+    Ada-KV's allocation runs per layer, on the host (exact rounding)."""
     scores = score_tokens(config.policy, q_window, keys, values, scale=scale, **config.score_options())
-    num_heads, n = scores.shape
-    if config.allocation == "uniform" or num_heads == 1:
-        page_counts = torch.full((num_heads,), pages, dtype=torch.int64, device=scores.device)
+    rows, n = scores.shape
+    heads = rows // num_layers
+    if config.allocation == "uniform" or heads == 1:
+        page_counts = torch.full((rows,), pages, dtype=torch.int64, device=scores.device)
     else:
-        page_counts = allocate_pages(scores, config.budget, page_size=page_size,
-                                     **config.select_options()).to(scores.device)
+        page_counts = torch.cat([
+            allocate_pages(layer, config.budget, page_size=page_size, **config.select_options())
+            for layer in scores.split(heads)]).to(scores.device)
     keep = keep_mask(scores, kept_counts(page_counts, n, page_size))
     return keep, page_counts
 
 
 def compaction_slots(keep: torch.Tensor, page_counts: torch.Tensor, fresh_blocks: torch.Tensor,
-                     page_size: int) -> tuple[LayerCompaction, torch.Tensor]:
-    """Destination slot [E, H] (int64, -1 = evicted) of every prompt token of every head.
+                     page_size: int) -> torch.Tensor:
+    """Destination slot [..., E, H] (int64, -1 = evicted) of every prompt token of every head, for kept
+    masks [..., H, E] and pages per head [..., H] (leading axes: layers).
 
     Slots address the per-head page view: slot = page * page_size + offset."""
-    num_heads = keep.shape[0]
+    num_heads = keep.shape[-2]
     num_pages = fresh_blocks.numel()
-    counts = page_counts.view(-1, 1)
-    virtual = torch.cumsum(keep, dim=1) - 1                       # rank among the head's kept tokens
-    flat = torch.cumsum(counts, 0) - counts + virtual // page_size
+    counts = page_counts.unsqueeze(-1)
+    virtual = torch.cumsum(keep, dim=-1) - 1                          # rank among the head's kept tokens
+    flat = torch.cumsum(counts, -2) - counts + virtual // page_size
     block = fresh_blocks.to(torch.int64)[flat % num_pages]
     slot = (block * num_heads + flat // num_pages) * page_size + virtual % page_size
-    slot = torch.where(keep, slot, -1)
-    layout = LayerCompaction(page_counts=page_counts, kept=keep.sum(dim=1))
-    return layout, slot.t()
+    return torch.where(keep, slot, -1).transpose(-1, -2)
+
+
+def layer_groups(layers: list, prompt_len: int, num_heads: int, head_dim: int, itemsize: int) -> list[list]:
+    """Consecutive layers whose gathered K and V fit GROUP_BYTES together (at least one layer each)."""
+    per_layer = 2 * prompt_len * num_heads * head_dim * itemsize
+    size = max(1, GROUP_BYTES // per_layer)
+    return [layers[i: i + size] for i in range(0, len(layers), size)]
+
+
+def compact_request(state, layers: list[tuple[int, object]], scale: float) -> None:
+    """Score, select and move one request's kept prompt tokens into its P fresh blocks, in every layer.
+
+    layers: (layer index, paged cache adapter) in layer order; `state` is the worker's WorkerEviction
+    with its prompt and fresh block ids on the cache's device. Fills state.layers."""
+    E, P, N = state.evict_at, state.pages, state.page_size
+    cache = layers[0][1]
+    H, D = cache.num_heads, cache.head_dim
+    for group in layer_groups(layers, E, H, D, cache.dtype.itemsize):
+        G = len(group)
+        keys = torch.empty(E, G, H, D, dtype=cache.dtype, device=cache.device)
+        values = torch.empty_like(keys)
+        for i, (_, layer_cache) in enumerate(group):
+            k, v = layer_cache.gather_prefix(state.prompt_device, E)
+            keys[:, i].copy_(k)
+            values[:, i].copy_(v)
+        q_window = None
+        if state.window:
+            q_window = torch.stack([state.q_window[index] for index, _ in group], dim=1).flatten(1, 2)
+        keep, counts = plan_compaction(state.spec.config, q_window, keys.view(E, G * H, D),
+                                       values.view(E, G * H, D), scale, N, P, num_layers=G)
+        keep, counts = keep.view(G, H, E), counts.view(G, H)
+        slots = compaction_slots(keep, counts, state.fresh_device, N)          # [G, E, H]
+        kept = keep.sum(dim=-1)
+        for i, (index, layer_cache) in enumerate(group):
+            layer_cache.write_pages(keys[:, i].reshape(E * H, D), values[:, i].reshape(E * H, D),
+                                    slots[i].reshape(-1))
+            state.layers[index] = LayerCompaction(page_counts=counts[i], kept=kept[i])
+            if DUMP_DIR:  # kept sets for offline comparison with a reference (GPU checks)
+                torch.save(keep[i].cpu(), os.path.join(DUMP_DIR, f"{state.req_id}.L{index}.pt"))
 
 
 def warm_up(device: torch.device, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
             page_size: int) -> None:
     """Run every policy's scoring and compaction once on a small prompt, so that the Triton kernels
-    (compiled once per policy and head shape, never per prompt length) and the torch kernels are ready
-    before the first request instead of inside its prefill."""
+    (compiled once per policy and head shape, never per prompt length or layer count) and the torch
+    kernels are ready before the first request instead of inside its prefill."""
     from vllm_evict.policies import POLICIES
 
     n = 16 * page_size
     gen = torch.Generator(device=device).manual_seed(0)
-    keys = torch.randn(n, num_kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
-    values = torch.randn(n, num_kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
-    queries = torch.randn(n, num_q_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    keys = torch.randn(n, 2 * num_kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    values = torch.randn(n, 2 * num_kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    queries = torch.randn(n, 2 * num_q_heads, head_dim, device=device, dtype=dtype, generator=gen)
     fresh = torch.arange(4, device=device)
     for policy in POLICIES:
         config = EvictionConfig.from_dict({"policy": policy, "budget": 4 * page_size})
         window = config.window_size()
         keep, counts = plan_compaction(config, queries[n - max(window, 1):], keys, values, head_dim ** -0.5,
-                                       page_size, 4)
-        compaction_slots(keep, counts, fresh, page_size)
+                                       page_size, 4, num_layers=2)
+        compaction_slots(keep.view(2, num_kv_heads, n), counts.view(2, num_kv_heads), fresh, page_size)
     torch.cuda.synchronize(device)

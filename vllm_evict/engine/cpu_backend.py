@@ -21,6 +21,7 @@ class CpuPagedCache:
         B, H, N, two_d = kv_cache.shape
         D = two_d // 2
         self.num_heads, self.page_size, self.head_dim = H, N, D
+        self.dtype, self.device = kv_cache.dtype, kv_cache.device
         self.key, self.value = kv_cache.view(B, H, 2 * N, D).chunk(2, dim=2)
         self.key_pages, self.value_pages = kv_cache.view(B * H, 1, 2 * N, D).chunk(2, dim=2)
         self.isa, self.k_scale, self.v_scale, self.dtype_str = isa, k_scale, v_scale, dtype_str

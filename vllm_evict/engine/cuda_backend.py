@@ -26,6 +26,7 @@ class CudaPagedCache:
     def __init__(self, kv_cache: torch.Tensor, head_size: int, kv_cache_dtype: str, k_scale, v_scale):
         B, H, N, two_d = kv_cache.shape
         self.kv_cache, self.num_heads, self.page_size, self.head_dim = kv_cache, H, N, head_size
+        self.dtype, self.device = kv_cache.dtype, kv_cache.device
         paged = kv_cache.view(B * H, 1, N, two_d).transpose(1, 2)           # [B*H, N, 1, 2D]
         key_pages, value_pages = paged.split(head_size, dim=-1)
         self.key_pages = canonicalize_singleton_dim_strides(key_pages)

@@ -1,11 +1,13 @@
 """Worker side: per-request eviction state, the per-step plan the attention backend reads, and the
 model-runner hooks that keep the runner's block table in step with the scheduler's block swap.
 
-The runner hooks wrap three `GPUModelRunner` methods (the CPU runner inherits them):
+The runner hooks wrap four `GPUModelRunner` methods (the CPU runner inherits them):
 - `_update_states`: drop state of finished/resumed requests; after a compaction step, strip the
   prompt blocks from the request's block-table row (the scheduler already freed them).
 - `_prepare_inputs`: build the StepPlan for this batch (row order is final here) and shift the
   compacted rows' attention lengths and KV slots;
+- `_model_forward`: after the forward, compact the requests that reached their eviction point, all
+  layers at once (compaction.compact_request);
 - `execute_model`: clear the plan when the forward is done.
 and the CUDA-graph dispatcher: steps that need the attention call (window capture, compaction, eager
 per-head tables) skip FULL graphs; uniform decode steps with per-head (Ada-KV) rows replay FULL graphs
@@ -23,7 +25,7 @@ import torch
 from vllm.forward_context import BatchDescriptor, get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
 
-from vllm_evict.engine.compaction import LayerCompaction
+from vllm_evict.engine.compaction import LayerCompaction, compact_request
 from vllm_evict.engine.request_config import RequestEviction, parse_request_or_none
 
 logger = init_logger(__name__)
@@ -42,8 +44,10 @@ class WorkerEviction:
     stacked: tuple | None = None        # per_head.stacked_counts: all layers' page counts, built once
     compacted: bool = False             # True from the step after compaction
     prompt_blocks: int = 0              # cdiv(E, page_size): prompt blocks before the P fresh ones
+    prompt_block_ids: list[int] = field(default_factory=list)  # the prompt blocks (set for the compaction step)
     fresh_blocks: list[int] = field(default_factory=list)  # the P fresh block ids (set for the compaction step)
-    fresh_device: torch.Tensor | None = None               # the same on the cache's device (compaction step)
+    prompt_device: torch.Tensor | None = None              # both on the cache's device (compaction step)
+    fresh_device: torch.Tensor | None = None
     serial: int = field(default_factory=itertools.count().__next__)  # unique per eviction (cache keys)
 
     @property
@@ -81,6 +85,8 @@ class StepPlan:
     row_blocks: list[int] = field(default_factory=list)  # blocks of each row (per-head steps only)
     cache: dict = field(default_factory=dict)  # kept across steps (per_head reuses row stacks)
     tables: object | None = None             # per_head.StepTables, built by the first layer
+    layer_caches: list = field(default_factory=list)  # (layer index, paged cache) seen in a compacting step
+    scale: float = 1.0                       # the attention softmax scale (compacting steps)
 
     @property
     def per_head(self) -> bool:
@@ -176,7 +182,7 @@ class WorkerEvictionState:
                 runner.input_batch.block_table.add_row(req.block_ids, row)
             state.compacted = True
             state.q_window.clear()
-            state.fresh_device = None
+            state.prompt_device = state.fresh_device = None
         self.pending_strip.clear()
 
     def build_plan(self, runner, scheduler_output) -> None:
@@ -225,6 +231,7 @@ class WorkerEvictionState:
             if computed + count == state.evict_at:
                 compacting.append(row)
                 blocks = runner.requests[state.req_id].block_ids[0]
+                state.prompt_block_ids = list(blocks[: state.prompt_blocks])
                 state.fresh_blocks = list(blocks[state.prompt_blocks: state.prompt_blocks + state.pages])
                 self.pending_strip[state.req_id] = state
             elif computed + count > state.evict_at:
@@ -243,6 +250,24 @@ class WorkerEvictionState:
         if compacted_rows:
             shift_positions(runner, plan)
         self.plan = plan
+
+    def compact(self) -> None:
+        """After the forward: compact every request whose chunk ended at its eviction point, all layers
+        at once (host ids go to the device without a sync; one timed span per request)."""
+        from vllm_evict.engine.per_head import host_to_device
+
+        plan = self.plan
+        if plan is None or not plan.compacting or not plan.layer_caches:
+            return
+        layers = sorted(plan.layer_caches, key=lambda item: item[0])
+        device = layers[0][1].device
+        for row in plan.compacting:
+            state = plan.states[row]
+            started = self.latency.start(device)
+            state.prompt_device = host_to_device(state.prompt_block_ids, device)
+            state.fresh_device = host_to_device(state.fresh_blocks, device)
+            compact_request(state, layers, plan.scale)
+            self.latency.stop(state.req_id, started)
 
     def end_step(self) -> None:
         self.plan = None
@@ -334,6 +359,7 @@ def install_runner_hooks() -> None:
     orig_update = GPUModelRunner._update_states
     orig_prepare = GPUModelRunner._prepare_inputs
     orig_execute = GPUModelRunner.execute_model
+    orig_model_forward = GPUModelRunner._model_forward
     orig_sample = GPUModelRunner.sample_tokens
     orig_block_table_init = MultiGroupBlockTable.__init__
     orig_dispatch = CudagraphDispatcher.dispatch
@@ -349,6 +375,11 @@ def install_runner_hooks() -> None:
         result = orig_prepare(self, scheduler_output, *args, **kwargs)
         STATE.build_plan(self, scheduler_output)
         return result
+
+    def _model_forward(self, *args, **kwargs):
+        output = orig_model_forward(self, *args, **kwargs)
+        STATE.compact()
+        return output
 
     def execute_model(self, *args, **kwargs):
         try:
@@ -405,6 +436,7 @@ def install_runner_hooks() -> None:
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner.execute_model = execute_model
+    GPUModelRunner._model_forward = _model_forward
     GPUModelRunner.sample_tokens = sample_tokens
     MultiGroupBlockTable.__init__ = block_table_init
     CudagraphDispatcher.dispatch = dispatch

@@ -56,12 +56,18 @@ class WindowPolicy(Policy):
         return max_pool(raw, pool_kernel)
 
 
+# Heads scored together: bounds the fp32 temporaries when the engine folds many layers into the head axis.
+HEAD_CHUNK = 16
+
+
 class KeyPolicy(Policy):
     """Key-only policy: score [n] per KV head from that head's fp32 keys (no GQA step)."""
 
     def key_score(self, k: torch.Tensor) -> torch.Tensor:
+        """k [heads, n, D] fp32 -> [heads, n]."""
         raise NotImplementedError
 
     def base_scores(self, q_window, keys, values, *, pool_kernel: int, gqa: str, scale: float, **_: object) -> torch.Tensor:
-        out = torch.stack([self.key_score(keys[:, i, :].to(torch.float32)) for i in range(keys.shape[1])])
+        out = torch.cat([self.key_score(chunk.to(torch.float32).transpose(0, 1))
+                         for chunk in keys.split(HEAD_CHUNK, dim=1)])
         return max_pool(out, pool_kernel)

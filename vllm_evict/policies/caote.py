@@ -7,7 +7,7 @@ Then the base's protection (window, sink) applies. Window, pooling, sink and gqa
 
 import torch
 
-from .base import Policy
+from .base import HEAD_CHUNK, Policy
 
 EPS = 1e-6
 ALLOWED_BASES = ("snapkv", "dropkv", "obcache-value", "obcache-key", "obcache-joint", "tova", "h2o")
@@ -21,16 +21,14 @@ def check_base(base: object) -> str:
 
 def caote_meta(h: torch.Tensor, values: torch.Tensor, *, fast: bool) -> torch.Tensor:
     """c [H_kv, n] from base scores h [H_kv, n] (fp32) and values [n, H_kv, Dv]."""
-    n = h.shape[1]
     out = []
-    for i in range(h.shape[0]):
-        v = values[:, i, :].to(torch.float32)
-        hi = h[i]
-        total = hi.sum()
-        hn = hi / total if bool(total > 0) else torch.full_like(hi, 1.0 / n)
-        x = v.mean(dim=0) if fast else hn @ v
+    for hc, vc in zip(h.split(HEAD_CHUNK), values.split(HEAD_CHUNK, dim=1)):
+        v = vc.to(torch.float32).transpose(0, 1)                                # [heads, n, Dv]
+        total = hc.sum(dim=1, keepdim=True)
+        hn = torch.where(total > 0, hc / total, 1.0 / hc.shape[1])
+        x = v.mean(dim=1, keepdim=True) if fast else torch.matmul(hn.unsqueeze(1), v)
         out.append(hn / (1.0 - hn + EPS) * torch.linalg.vector_norm(x - v, dim=-1))
-    return torch.stack(out)
+    return torch.cat(out)
 
 
 class CAOTE(Policy):

@@ -16,6 +16,6 @@ class KeyDiff(KeyPolicy):
     name = "keydiff"
 
     def key_score(self, k: torch.Tensor) -> torch.Tensor:
-        mu = k.mean(dim=0)
-        denom = torch.clamp(torch.linalg.vector_norm(mu) * torch.linalg.vector_norm(k, dim=-1), min=EPS_COS)
-        return -(k @ mu) / denom
+        mu = k.mean(dim=1, keepdim=True)                                        # [heads, 1, D]
+        denom = torch.clamp(torch.linalg.vector_norm(mu, dim=-1) * torch.linalg.vector_norm(k, dim=-1), min=EPS_COS)
+        return -torch.matmul(k, mu.transpose(1, 2)).squeeze(-1) / denom
