@@ -96,23 +96,19 @@ def compact_request(state, layers: list[tuple[int, object]], scale: float) -> No
     H, D = cache.num_heads, cache.head_dim
     for group in layer_groups(layers, E, H, D, cache.dtype.itemsize):
         G = len(group)
+        caches = [layer_cache for _, layer_cache in group]
         keys = torch.empty(E, G, H, D, dtype=cache.dtype, device=cache.device)
         values = torch.empty_like(keys)
-        for i, (_, layer_cache) in enumerate(group):
-            k, v = layer_cache.gather_prefix(state.prompt_device, E)
-            keys[:, i].copy_(k)
-            values[:, i].copy_(v)
+        cache.gather_layers(caches, state.prompt_device, E, keys, values)
         q_window = None
         if state.window:
             q_window = torch.stack([state.q_window[index] for index, _ in group], dim=1).flatten(1, 2)
         keep, counts = plan_compaction(state.spec.config, q_window, keys.view(E, G * H, D),
                                        values.view(E, G * H, D), scale, N, P, num_layers=G)
         keep, counts = keep.view(G, H, E), counts.view(G, H)
-        slots = compaction_slots(keep, counts, state.fresh_device, N)          # [G, E, H]
+        cache.write_layers(caches, keys, values, compaction_slots(keep, counts, state.fresh_device, N).contiguous())
         kept = keep.sum(dim=-1)
-        for i, (index, layer_cache) in enumerate(group):
-            layer_cache.write_pages(keys[:, i].reshape(E * H, D), values[:, i].reshape(E * H, D),
-                                    slots[i].reshape(-1))
+        for i, (index, _) in enumerate(group):
             state.layers[index] = LayerCompaction(page_counts=counts[i], kept=kept[i])
             if DUMP_DIR:  # kept sets for offline comparison with a reference (GPU checks)
                 torch.save(keep[i].cpu(), os.path.join(DUMP_DIR, f"{state.req_id}.L{index}.pt"))
@@ -123,6 +119,7 @@ def warm_up(device: torch.device, num_q_heads: int, num_kv_heads: int, head_dim:
     """Run every policy's scoring and compaction once on a small prompt, so that the Triton kernels
     (compiled once per policy and head shape, never per prompt length or layer count) and the torch
     kernels are ready before the first request instead of inside its prefill."""
+    from kernels.paged_kv import gather_prompt, scatter_kept
     from vllm_evict.policies import POLICIES
 
     n = 16 * page_size
@@ -131,6 +128,10 @@ def warm_up(device: torch.device, num_q_heads: int, num_kv_heads: int, head_dim:
     values = torch.randn(n, 2 * num_kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
     queries = torch.randn(n, 2 * num_q_heads, head_dim, device=device, dtype=dtype, generator=gen)
     fresh = torch.arange(4, device=device)
+    caches = [torch.zeros(32, num_kv_heads, page_size, 2 * head_dim, device=device, dtype=dtype) for _ in range(2)]
+    gathered = torch.empty(n, 2, num_kv_heads, head_dim, device=device, dtype=dtype)
+    gather_prompt(caches, torch.arange(16, device=device, dtype=torch.int32), n, gathered, gathered)
+    scatter_kept(caches, gathered, gathered, torch.full((2, n, num_kv_heads), -1, device=device))
     for policy in POLICIES:
         config = EvictionConfig.from_dict({"policy": policy, "budget": 4 * page_size})
         window = config.window_size()

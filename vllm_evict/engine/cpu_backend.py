@@ -40,6 +40,21 @@ class CpuPagedCache:
         D = self.head_dim
         self.write_pages(keys.reshape(-1, D), values.reshape(-1, D), slots.reshape(-1))
 
+    @staticmethod
+    def gather_layers(caches: list["CpuPagedCache"], blocks: torch.Tensor, n: int, keys: torch.Tensor,
+                      values: torch.Tensor) -> None:
+        """keys/values [n, G, H, D] <- the first n prompt tokens (in `blocks`) of G layers."""
+        for g, cache in enumerate(caches):
+            keys[:, g], values[:, g] = cache.gather_prefix(blocks, n)
+
+    @staticmethod
+    def write_layers(caches: list["CpuPagedCache"], keys: torch.Tensor, values: torch.Tensor,
+                     slots: torch.Tensor) -> None:
+        """Write keys/values [n, G, H, D] to per-head slots [G, n, H] (-1 = skip) of G layers."""
+        n, _, H, D = keys.shape
+        for g, cache in enumerate(caches):
+            cache.write_pages(keys[:, g].reshape(n * H, D), values[:, g].reshape(n * H, D), slots[g].reshape(-1))
+
     def write_pages(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
         """Write keys/values [M, D] to per-head slots (page * N + offset)."""
         ops.cpu_attn_reshape_and_cache(keys.unsqueeze(1).contiguous(), values.unsqueeze(1).contiguous(),

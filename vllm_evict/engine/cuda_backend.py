@@ -17,6 +17,7 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, reshape_and_cache_flash
 
+from kernels.paged_kv import gather_prompt, scatter_kept
 from vllm_evict.engine.attention import EvictionAttentionMixin
 from vllm_evict.engine.per_head import DecodeGraphTables
 from vllm_evict.engine.worker import STATE
@@ -49,6 +50,18 @@ class CudaPagedCache:
         """Write keys/values [M, D] to per-head slots [M] (page * N + offset; -1 = skip)."""
         reshape_and_cache_flash(keys.unsqueeze(1), values.unsqueeze(1), self.key_pages, self.value_pages,
                                 slots.to(torch.int64), self.kv_cache_dtype, self.k_scale, self.v_scale)
+
+    @staticmethod
+    def gather_layers(caches: list["CudaPagedCache"], blocks: torch.Tensor, n: int, keys: torch.Tensor,
+                      values: torch.Tensor) -> None:
+        """keys/values [n, G, H, D] <- the first n prompt tokens (in `blocks`) of G layers: one launch."""
+        gather_prompt([c.kv_cache for c in caches], blocks, n, keys, values)
+
+    @staticmethod
+    def write_layers(caches: list["CudaPagedCache"], keys: torch.Tensor, values: torch.Tensor,
+                     slots: torch.Tensor) -> None:
+        """Write keys/values [n, G, H, D] to per-head slots [G, n, H] (-1 = skip) of G layers: one launch."""
+        scatter_kept([c.kv_cache for c in caches], keys, values, slots)
 
 
 class EvictFlashAttentionImpl(EvictionAttentionMixin, FlashAttentionImpl):
