@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--lengths", nargs="+", type=int, default=[8192, 16384, 32768])
     ap.add_argument("--policies", nargs="+", default=["dropkv", "snapkv", "keydiff"])
     ap.add_argument("--allocations", nargs="+", default=["uniform"])
-    ap.add_argument("--precisions", nargs="+", default=["bf16x3", "ieee"])
+    ap.add_argument("--precisions", nargs="+", default=["ieee", "bf16x3"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -201,7 +201,7 @@ def main():
 
     sizes = [4096, 16384, 131072] if args.quick else [4096, 8192, 16384, 32768, 65536, 131072]
     cases = [("dropkv", 8, None), ("snapkv", 32, None),
-             ("dropkv", 8, ws.WindowScoreConfig(precision="ieee"))]
+             ("dropkv", 8, ws.WindowScoreConfig(precision="bf16x3"))]
     rows = []
     for policy, w, cfg in cases:
         for n in sizes:

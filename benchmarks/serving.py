@@ -390,6 +390,11 @@ PLANS = {
                    ("evict", "prefill", PREFILL14_ARGS + ["--prefill-policies", "dropkv:uniform", "snapkv:uniform"], 330)],
     "prefill14b": [("vanilla", "prefill", PREFILL14_ARGS, 240),
                    ("evict", "prefill", PREFILL14_ARGS + ["--prefill-policies", "keydiff:uniform", "dropkv:adakv"], 330)],
+    # the same after the gather/scatter fix, in one call: 64 x 8K and 32 x 32K, TTFT at 8K and 32K
+    "prefill14c": [("vanilla", "prefill", ["--prefill-shapes", "8192:64", "32768:32", *PREFILL14_ARGS[4:]], 180),
+                   ("evict", "prefill", ["--prefill-shapes", "8192:64", "32768:32", *PREFILL14_ARGS[4:],
+                                         "--prefill-policies", "dropkv:uniform", "keydiff:uniform", "dropkv:adakv"],
+                    330)],
     # the last call of session 4: the 8K shape and the prefill table on the same two engines
     "final13_14": [("vanilla", "e2e,prefill", ["--shapes", "8192:2048:32", "--prefill-shapes", "8192:32", "32768:16",
                                                "--ttft-lengths", "8192", "32768", "--repeats", "3",

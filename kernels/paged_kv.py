@@ -13,7 +13,8 @@ scatter_kept(caches, keys, values, slots)
     slots [G, n, H] int64: per-head slot (page*page_size + offset of the per-head page view, page =
     block*H + h) of token t in layer g, -1 = not kept; writes keys/values [n, G, H, D] there.
 
-Both have a torch reference below (`*_reference`); tests/kernels/test_paged_kv.py checks them against it
+The strides of the buffers are specialised (multiples of 16 for the usual head sizes, so that the
+accesses vectorise); they depend on G but never on n. Both have a torch reference below (`*_reference`); tests/kernels/test_paged_kv.py checks them against it
 (Triton interpreter on CPU, and on GPU). Nothing depends on n or G at compile time.
 """
 
@@ -41,16 +42,24 @@ def layer_offsets(caches: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     return base, offsets
 
 
+def _alignment(offsets: list[int]) -> int:
+    """16 when every cache starts 16 elements apart from the first (always, for the caching allocator's
+    512-byte alignment): the loads and stores are then vectorised, which they cannot be for a pointer
+    read from memory without this hint."""
+    return 16 if all(o % 16 == 0 for o in offsets) else 1
+
+
 def _offsets_tensor(offsets: list[int], device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return torch.tensor(offsets, dtype=torch.int64, device=device)
     return torch.tensor(offsets, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
 
 
-@triton.jit(do_not_specialize=["n", "H", "s_kt", "s_kg", "s_kh", "s_vt", "s_vg", "s_vh"])
+@triton.jit(do_not_specialize=["n", "H"])
 def _gather_prompt_kernel(base, offsets, blocks, keys, values, n, H,
                           s_kt, s_kg, s_kh, s_vt, s_vg, s_vh,
-                          D: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr):
+                          D: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+                          ALIGN: tl.constexpr):
     gh = tl.program_id(1)
     g = gh // H
     h = gh % H
@@ -59,7 +68,7 @@ def _gather_prompt_kernel(base, offsets, blocks, keys, values, n, H,
     t_ok = t < n
     mask = t_ok[:, None] & (d < D)[None, :]
     block = tl.load(blocks + t // PAGE, mask=t_ok, other=0).to(tl.int64)
-    src = base + tl.load(offsets + g) + ((block * H + h) * PAGE + t % PAGE)[:, None] * (2 * D) + d[None, :]
+    src = base + tl.multiple_of(tl.load(offsets + g), ALIGN) + ((block * H + h) * PAGE + t % PAGE)[:, None] * (2 * D) + d[None, :]
     k = tl.load(src, mask=mask)
     v = tl.load(src + D, mask=mask)
     t64 = t.to(tl.int64)[:, None]
@@ -67,10 +76,10 @@ def _gather_prompt_kernel(base, offsets, blocks, keys, values, n, H,
     tl.store(values + t64 * s_vt + g * s_vg + h * s_vh + d[None, :], v, mask=mask)
 
 
-@triton.jit(do_not_specialize=["n", "H", "s_kt", "s_kg", "s_kh", "s_vt", "s_vg", "s_vh"])
+@triton.jit(do_not_specialize=["n", "H"])
 def _scatter_kept_kernel(base, offsets, slots, keys, values, n, H,
                          s_kt, s_kg, s_kh, s_vt, s_vg, s_vh,
-                         D: tl.constexpr, D_P: tl.constexpr, BLOCK: tl.constexpr):
+                         D: tl.constexpr, D_P: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
     gh = tl.program_id(1)
     g = gh // H
     h = gh % H
@@ -83,7 +92,7 @@ def _scatter_kept_kernel(base, offsets, slots, keys, values, n, H,
     t64 = t.to(tl.int64)[:, None]
     k = tl.load(keys + t64 * s_kt + g * s_kg + h * s_kh + d[None, :], mask=mask)  # masked rows: no traffic
     v = tl.load(values + t64 * s_vt + g * s_vg + h * s_vh + d[None, :], mask=mask)
-    dst = base + tl.load(offsets + g) + slot[:, None] * (2 * D) + d[None, :]
+    dst = base + tl.multiple_of(tl.load(offsets + g), ALIGN) + slot[:, None] * (2 * D) + d[None, :]
     tl.store(dst, k, mask=mask)
     tl.store(dst + D, v, mask=mask)
 
@@ -107,7 +116,8 @@ def gather_prompt(caches: list[torch.Tensor], blocks: torch.Tensor, n: int, keys
     grid = (triton.cdiv(n, BLOCK_T), len(caches) * H)
     _gather_prompt_kernel[grid](base, _offsets_tensor(offsets, base.device), blocks, keys, values, n, H,
                                 *keys.stride()[:3], *values.stride()[:3],
-                                D=D, D_P=triton.next_power_of_2(D), PAGE=page, BLOCK=BLOCK_T)
+                                D=D, D_P=triton.next_power_of_2(D), PAGE=page, BLOCK=BLOCK_T,
+                                ALIGN=_alignment(offsets))
 
 
 def scatter_kept(caches: list[torch.Tensor], keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
@@ -120,7 +130,8 @@ def scatter_kept(caches: list[torch.Tensor], keys: torch.Tensor, values: torch.T
     grid = (triton.cdiv(n, BLOCK_T), len(caches) * H)
     _scatter_kept_kernel[grid](base, _offsets_tensor(offsets, base.device), slots, keys, values, n, H,
                                *keys.stride()[:3], *values.stride()[:3],
-                               D=D, D_P=triton.next_power_of_2(D), BLOCK=BLOCK_T)
+                               D=D, D_P=triton.next_power_of_2(D), BLOCK=BLOCK_T,
+                               ALIGN=_alignment(offsets))
 
 
 def gather_prompt_reference(caches: list[torch.Tensor], blocks: torch.Tensor, n: int, keys: torch.Tensor,

@@ -310,11 +310,10 @@ def test_kernel_vs_reference(policy, n, D, gqa):
 @gpu
 @pytest.mark.parametrize("policy", ["dropkv", "obcache-key", "obcache-joint"])
 @pytest.mark.parametrize("n", [1000, 8192])
-def test_kernel_ieee_precision_option(policy, n):
-    """The default is bf16x3 (the GPU cases above); the IEEE fp32 dots stay available and exact."""
+def test_kernel_bf16x3_precision_option(policy, n):
     from kernels.window_scores import WindowScoreConfig
 
-    _check_policy(policy, n, 128, "mean", config=WindowScoreConfig(precision="ieee"))
+    _check_policy(policy, n, 128, "mean", config=WindowScoreConfig(precision="bf16x3"))
 
 
 @pytest.mark.gpu
