@@ -152,6 +152,23 @@ def test_adakv_respects_p_max():
     assert p.tolist()[0] == 4 and int(p.sum()) == 9
 
 
+def literal_adakv(s, budget, bs, alpha, r):
+    """SPEC §3.4 one head-page at a time, in plain Python (pages per head of one layer)."""
+    h, n = s.shape
+    P = num_pages(n, budget, bs, r)
+    if P is None:
+        return [-(-n // bs)] * h
+    T, B = P * h, P * h * bs
+    flat = s.flatten().tolist()
+    order = sorted(range(h * n), key=lambda i: (-flat[i], i))[:B]
+    f = [0] * h
+    for i in order:
+        f[i // n] += 1
+    a = Fraction(str(alpha))
+    x = [((1 - a) * fi + a * Fraction(B, h)) / bs for fi in f]
+    return literal_round(x, T, -(-max(r, 1) // bs), -(-n // bs))
+
+
 def test_adakv_matches_literal_algorithm_random():
     for seed in range(60):
         rng = random.Random(100 + seed)
@@ -160,22 +177,30 @@ def test_adakv_matches_literal_algorithm_random():
         s = rand_scores(h, n, seed, protect_last=w, sink=sink, ties=seed % 3 == 0)
         budget = rng.randint(1, n)
         alpha = rng.choice([0.0, 0.2, 0.5, 1.0])
-        r = min(n, w + sink)
-        P = num_pages(n, budget, bs, r)
         got = allocate_pages(s, budget, allocation="adakv", page_size=bs, alpha=alpha).tolist()
-        if P is None:
-            assert got == [-(-n // bs)] * h
-            continue
-        T, B = P * h, P * h * bs
-        flat = s.flatten().tolist()
-        order = sorted(range(h * n), key=lambda i: (-flat[i], i))[:B]
-        f = [0] * h
-        for i in order:
-            f[i // n] += 1
-        a = Fraction(str(alpha))
-        x = [((1 - a) * fi + a * Fraction(B, h)) / bs for fi in f]
-        want = literal_round(x, T, -(-max(r, 1) // bs), -(-n // bs))
-        assert got == want
+        assert got == literal_adakv(s, budget, bs, alpha, min(n, w + sink))
+
+
+@pytest.mark.parametrize("allocation", ["uniform", "adakv"])
+def test_layers_at_once_match_each_layer(allocation):
+    """scores [L, H, n] (the engine's path): each layer allocated on its own, with its own protected count
+    (so some layers may evict nothing)."""
+    for seed in range(30):
+        rng = random.Random(500 + seed)
+        L, h, n, bs = rng.randint(1, 5), rng.randint(1, 6), rng.randint(20, 150), rng.choice([2, 4, 16])
+        budget, alpha = rng.randint(1, n // 2), rng.choice([0.0, 0.2, 1.0])
+        protect = [rng.randint(0, n if rng.random() < 0.2 else 12) for _ in range(L)]
+        layers = torch.stack([rand_scores(h, n, 10 * seed + i, protect_last=protect[i], ties=i % 2 == 0)
+                              for i in range(L)])
+        got = allocate_pages(layers, budget, allocation=allocation, page_size=bs, alpha=alpha)
+        assert got.shape == (L, h)
+        for i in range(L):
+            if allocation == "adakv":
+                want = literal_adakv(layers[i], budget, bs, alpha, min(n, protect[i]))
+            else:
+                P = num_pages(n, budget, bs, min(n, protect[i]))
+                want = [-(-n // bs) if P is None else P] * h
+            assert got[i].tolist() == want, (seed, i)
 
 
 def test_allocate_pages_streaming_like_uniform_for_single_head():

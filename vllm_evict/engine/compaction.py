@@ -49,16 +49,15 @@ def plan_compaction(config: EvictionConfig, q_window: torch.Tensor | None, keys:
     scheduler derived from the request alone.
 
     Per layer the same result as `select_tokens`. Uniform allocation needs no host value (P is known);
-    Ada-KV's allocation runs per layer, on the host (exact rounding)."""
+    Ada-KV's allocation runs per layer, its rounding on the host (exact)."""
     scores = score_tokens(config.policy, q_window, keys, values, scale=scale, **config.score_options())
     rows, n = scores.shape
     heads = rows // num_layers
     if config.allocation == "uniform" or heads == 1:
         page_counts = torch.full((rows,), pages, dtype=torch.int64, device=scores.device)
-    else:
-        page_counts = torch.cat([
-            allocate_pages(layer, config.budget, page_size=page_size, **config.select_options())
-            for layer in scores.split(heads)]).to(scores.device)
+    else:  # per layer, two host synchronisations for the whole group
+        page_counts = allocate_pages(scores.view(num_layers, heads, n), config.budget, page_size=page_size,
+                                     **config.select_options()).view(-1).to(scores.device)
     keep = keep_mask(scores, kept_counts(page_counts, n, page_size))
     return keep, page_counts
 

@@ -70,14 +70,12 @@ def count_protected(scores: torch.Tensor) -> int:
 def _check_scores(scores: object) -> torch.Tensor:
     if not isinstance(scores, torch.Tensor):
         raise ValueError(f"scores must be a torch.Tensor [H_kv, n], got {type(scores).__name__}")
-    if scores.dim() != 2:
-        raise ValueError(f"scores must have shape [H_kv, n], got shape {tuple(scores.shape)}")
-    if scores.shape[0] < 1 or scores.shape[1] < 1:
+    if scores.dim() not in (2, 3):
+        raise ValueError(f"scores must have shape [H_kv, n] or [L, H_kv, n], got shape {tuple(scores.shape)}")
+    if min(scores.shape) < 1:
         raise ValueError(f"scores must be non-empty [H_kv, n], got shape {tuple(scores.shape)}")
     if not scores.is_floating_point():
         raise ValueError(f"scores must be floating point, got dtype {scores.dtype}")
-    if torch.isnan(scores).any():
-        raise ValueError("scores contain NaN (a scoring bug; SPEC §7.1)")
     return scores
 
 
@@ -152,7 +150,9 @@ def allocate_pages(
     page_size: int = 16,
     alpha: float = 0.2,
 ) -> torch.Tensor:
-    """Pages per KV head p_i (CPU int64 [H_kv]) for final scores [H_kv, n] (protected = +inf).
+    """Pages per KV head p_i (CPU int64 [H_kv]) for final scores [H_kv, n] (protected = +inf); or
+    [L, H_kv] for scores [L, H_kv, n], each layer allocated on its own with at most two host
+    synchronisations for all of them (the engine's path).
 
     When nothing is evicted (num_pages is None) every head gets p_max = ceil(n/bs) pages, i.e. keeps all n.
     Kept tokens of head i: K_i = min(n, p_i * page_size).
@@ -160,27 +160,42 @@ def allocate_pages(
     scores = _check_scores(scores)
     check_budget(budget)
     _check_alloc(allocation, page_size, alpha)
-    h, n = (int(s) for s in scores.shape)
-    r = count_protected(scores)
-    pages = num_pages(n, budget, page_size, r)
+    layers = scores if scores.dim() == 3 else scores.unsqueeze(0)
+    num_layers, h, n = (int(s) for s in layers.shape)
+    # One transfer: NaN check and r (SPEC §1) of every layer.
+    protected = torch.isposinf(layers).sum(dim=-1).amax(dim=-1)
+    stats = torch.cat([torch.isnan(layers).any().view(1).to(protected.dtype), protected]).tolist()
+    if stats[0]:
+        raise ValueError("scores contain NaN (a scoring bug; SPEC §7.1)")
+    r = stats[1:]
+    pages = [num_pages(n, budget, page_size, ri) for ri in r]
     p_max = -(-n // page_size)
-    if pages is None:
-        return torch.full((h,), p_max, dtype=torch.long)
-    if allocation == "uniform" or h == 1:
-        return torch.full((h,), pages, dtype=torch.long)
+    out = [[p_max if p is None else p] * h for p in pages]
+    adakv = [i for i, p in enumerate(pages) if p is not None and allocation == "adakv" and h > 1]
+    if adakv:
+        # Ada-KV (SPEC §3.4). Step 1: global stable top-B over each layer's head-major flattening; one
+        # transfer for the head counts f of all layers.
+        rows = torch.tensor(adakv, device=layers.device)
+        order = torch.sort(layers[rows].reshape(len(adakv), h * n), dim=1, descending=True, stable=True).indices
+        top = torch.tensor([pages[i] * h * page_size for i in adakv], device=layers.device)
+        in_top = torch.arange(h * n, device=layers.device) < top.view(-1, 1)
+        f = torch.zeros(len(adakv), h, dtype=torch.int64, device=layers.device)
+        f.scatter_add_(1, torch.div(order, n, rounding_mode="floor"), in_top.to(torch.int64))
+        for i, fi in zip(adakv, f.tolist()):
+            out[i] = _adakv_round(fi, pages[i], r[i], n, page_size, alpha)
+    result = torch.tensor(out, dtype=torch.long)
+    return result if scores.dim() == 3 else result[0]
 
-    # Ada-KV (SPEC §3.4). Step 1: global stable top-B over the head-major flattening.
+
+def _adakv_round(f: list[int], pages: int, r: int, n: int, page_size: int, alpha: float) -> list[int]:
+    """SPEC §3.4 steps 2-3 for one layer: safeguard and page rounding, exactly (host arithmetic)."""
+    h = len(f)
     total = pages * h
     b = total * page_size
-    order = torch.sort(scores.reshape(-1), descending=True, stable=True).indices[:b]
-    f = torch.bincount(torch.div(order, n, rounding_mode="floor"), minlength=h).tolist()
-    # Step 2: safeguard, exactly.
     a = Fraction(repr(float(alpha)))
     x = [((1 - a) * fi + a * Fraction(b, h)) / page_size for fi in f]
-    # Step 3: page rounding with bounds; sum = T exactly.
     p_min = -(-max(r, 1) // page_size)
-    p = round_pages(x, total, p_min, p_max)
-    return torch.tensor(p, dtype=torch.long)
+    return round_pages(x, total, p_min, -(-n // page_size))
 
 
 def kept_counts(pages: torch.Tensor, n: int, page_size: int = 16) -> torch.Tensor:
