@@ -13,6 +13,9 @@ def register() -> None:
     from vllm_evict._version_check import check_vllm_version
 
     check_vllm_version()
+    from vllm_evict.engine import surface
+
+    surface.check("engine")  # before any hook: refuse a vLLM whose patched internals changed shape
     import os
 
     # The runner hooks target vLLM's V1 GPU model runner (the CPU runner is V1 too).

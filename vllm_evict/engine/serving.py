@@ -182,6 +182,9 @@ def install_serving_hooks() -> None:
         return
     if getattr(RequestState, "_vllm_evict_hooked", False):
         return
+    from vllm_evict.engine import surface
+
+    surface.check("serving")
     for request_cls in (ChatCompletionRequest, CompletionRequest):
         request_cls.to_sampling_params = _with_eviction_field(request_cls.to_sampling_params)
     RequestState.make_request_output = _attach_reports(RequestState.make_request_output)

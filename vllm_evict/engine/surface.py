@@ -1,0 +1,112 @@
+"""The vLLM internals this plugin patches, wraps or overrides, with the parameters each was written for
+(vLLM 0.26.0). `check(group)` runs before any hook of that group is installed and refuses, with one
+message naming every difference, a vLLM whose patched symbols changed shape: the version pin alone
+would not catch a rebuilt or patched wheel. docs/ENGINE.md lists the same surface.
+
+A signature is compared by parameter names, kinds and which have defaults (`name=`, `*args`,
+`**kwargs`): the things a wrapper or an override relies on. Annotations are not compared.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner."
+_SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler."
+_MANAGER = "vllm.v1.core.kv_cache_manager:KVCacheManager."
+
+SURFACE: dict[str, dict[str, str]] = {
+    "engine": {
+        # worker.py: runner hooks
+        _RUNNER + "_update_states": "self, scheduler_output",
+        _RUNNER + "_prepare_inputs": "self, scheduler_output, num_scheduled_tokens",
+        _RUNNER + "_model_forward": "self, input_ids=, positions=, intermediate_tensors=, inputs_embeds=, **model_kwargs",
+        _RUNNER + "execute_model": "self, scheduler_output, intermediate_tensors=",
+        _RUNNER + "sample_tokens": "self, grammar_output",
+        _RUNNER + "_warmup_and_capture": "self, desc, cudagraph_runtime_mode, profile_seq_lens=, allow_microbatching=, "
+                                         "num_warmups=, profiler=",
+        # max_num_blocks is the 7th positional argument (worker.block_table_init doubles it)
+        "vllm.v1.worker.block_table:MultiGroupBlockTable.__init__":
+            "self, max_num_reqs, max_num_batched_tokens, pin_memory, device, block_sizes, kernel_block_sizes, "
+            "max_num_blocks, cp_kv_cache_interleave_size=, slot_mapping_modes=",
+        "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.dispatch":
+            "self, num_tokens, uniform_decode=, has_lora=, num_active_loras=, valid_modes=, invalid_modes=",
+        "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.initialize_cudagraph_keys":
+            "self, cudagraph_mode, uniform_decode_query_len=",
+        "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.add_cudagraph_key": "self, runtime_mode, batch_descriptor",
+        "vllm.v1.worker.gpu_worker:kernel_warmup": "worker",
+        # plugin.py: request validation in the API process
+        "vllm.v1.engine.input_processor:InputProcessor._validate_params": "self, params, supported_tasks",
+        # scheduler.py: KV-cache-manager and scheduler subclasses
+        _MANAGER + "get_computed_blocks": "self, request",
+        _MANAGER + "allocate_slots": "self, request, num_new_tokens, num_new_computed_tokens=, new_computed_blocks=, "
+                                     "num_lookahead_tokens=, num_external_computed_tokens=, delay_cache_blocks=, "
+                                     "num_encoder_tokens=, full_sequence_must_fit=, reserved_blocks=, "
+                                     "has_scheduled_reqs=",
+        _SCHEDULER + "add_request": "self, request",
+        _SCHEDULER + "_mamba_block_aligned_split":
+            "self, request, num_new_tokens, num_new_local_computed_tokens=, num_external_computed_tokens=",
+        _SCHEDULER + "_preempt_request": "self, request, timestamp",
+        _SCHEDULER + "_update_after_schedule": "self, scheduler_output",
+        _SCHEDULER + "update_from_output": "self, scheduler_output, model_runner_output",
+    },
+    "serving": {  # serving.py: hooks into vLLM's OpenAI server (API process only)
+        "vllm.entrypoints.openai.chat_completion.protocol:ChatCompletionRequest.to_sampling_params":
+            "self, max_tokens, default_sampling_params",
+        "vllm.entrypoints.openai.completion.protocol:CompletionRequest.to_sampling_params":
+            "self, max_tokens, default_sampling_params=",
+        "vllm.v1.engine.output_processor:RequestState.make_request_output":
+            "self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params=, ec_transfer_params=",
+        "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat.chat_completion_full_generator":
+            "self, request, result_generator, request_id, model_name, conversation, tokenizer, request_metadata, "
+            "parser=, mm_token_counts=",
+        "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat.chat_completion_stream_generator":
+            "self, request, result_generator, request_id, model_name, conversation, tokenizer, request_metadata, "
+            "chat_template_kwargs=, mm_token_counts=",
+        "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion.request_output_to_completion_response":
+            "self, final_res_batch, request, request_id, created_time, model_name, tokenizer, request_metadata",
+        "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion.completion_stream_generator":
+            "self, request, engine_inputs, result_generator, request_id, created_time, model_name, num_prompts, "
+            "tokenizer, request_metadata",
+    },
+}
+
+
+def shape_of(obj) -> str:
+    """Parameter names, kinds and defaults of a callable: 'self, a, b=, *args, **kwargs'."""
+    parts = []
+    for p in inspect.signature(obj).parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            parts.append("*" + p.name)
+        elif p.kind is p.VAR_KEYWORD:
+            parts.append("**" + p.name)
+        else:
+            parts.append(p.name + ("=" if p.default is not p.empty else ""))
+    return ", ".join(parts)
+
+
+def resolve(path: str):
+    module, _, attr = path.partition(":")
+    obj = importlib.import_module(module)
+    for name in attr.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def check(group: str, surface: dict[str, dict[str, str]] = SURFACE) -> None:
+    """Raise RuntimeError listing every symbol of `group` that is missing or has another shape."""
+    problems = []
+    for path, expected in surface[group].items():
+        try:
+            found = shape_of(resolve(path))
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"  {path}: missing ({exc})")
+            continue
+        if found != expected:
+            problems.append(f"  {path}:\n    expected ({expected})\n    found    ({found})")
+    if problems:
+        from vllm_evict._version_check import SUPPORTED_VLLM_VERSION
+
+        raise RuntimeError(f"vllm-evict {group} hooks were written for vLLM {SUPPORTED_VLLM_VERSION}; this vLLM differs "
+                           "where they patch it:\n" + "\n".join(problems))
