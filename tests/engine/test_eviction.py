@@ -12,8 +12,6 @@ pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 32
 PAGE = 16
-ALL_POLICIES = ["snapkv", "dropkv", "keydiff", "obcache-value", "obcache-key", "obcache-joint", "caote",
-                "fastcaote", "streaming", "tova", "h2o", "knorm"]
 
 
 def random_prompt(seed: int, length: int) -> list[int]:
@@ -47,11 +45,13 @@ def params(eviction: dict | None, max_tokens: int = MAX_TOKENS):
 
 
 def eviction_cases():
+    from vllm_evict.policies import POLICIES
+
     cases = []
-    for policy in ALL_POLICIES:
+    for policy in POLICIES:  # every registered policy
         for budget in (0.25, 0.5):
             for allocation in ("uniform", "adakv"):
-                if policy == "streaming" and allocation == "adakv":
+                if not POLICIES[policy].supports_adakv and allocation == "adakv":
                     continue
                 cases.append({"policy": policy, "budget": budget, "allocation": allocation})
     cases.append({"policy": "dropkv", "budget": 100, "allocation": "adakv"})  # integer token budget
@@ -93,6 +93,29 @@ def test_every_policy_matches_reference_in_one_mixed_batch(engine, reference):
         changed += expected.token_ids != full.token_ids
     # The check has teeth: eviction changes the greedy output for most cases on this model.
     assert changed >= len(cases) // 2
+
+
+def test_a_policy_added_only_to_the_registry_runs_in_the_engine(engine, reference, monkeypatch):
+    """A new query-based policy is one class and one registry entry: validation, the engine's scoring
+    (no Triton kernel declared, so the torch reference on GPU too) and the reference decoder all find it."""
+    from vllm_evict.policies import POLICIES, EvictionConfig
+    from vllm_evict.policies.base import WindowPolicy
+
+    class PeakAttention(WindowPolicy):  # keep the keys some window query attends to most
+        name = "toy-peak"
+        default_window = 8
+
+        def head_raw(self, st):
+            return st.p.amax(dim=1)
+
+    monkeypatch.setitem(POLICIES, PeakAttention.name, PeakAttention())
+    prompt = random_prompt(7, 300)
+    case = {"policy": "toy-peak", "budget": 0.25}
+    out = engine.generate([{"prompt_token_ids": prompt}], [params(case)])[0]
+    expected = reference.generate(prompt, MAX_TOKENS, EvictionConfig.from_dict(case), page_size=PAGE)
+    check_against_reference(out, expected, str(case))
+    assert out.kv_transfer_params["vllm_evict"]["policy"] == "toy-peak"
+    assert out.kv_transfer_params["vllm_evict"]["blocks_freed"] > 0
 
 
 def test_question_agnostic_evict_at(engine, reference):

@@ -45,3 +45,27 @@ def test_cuda_matches_cpu_with_tf32_requested(policy):
         assert mg.is_cuda
         if torch.equal(pr, pg):
             near_tie_ok(ref, mr, mg.cpu(), (pr * 16).tolist())
+
+
+def test_policy_without_kernel_runs_the_reference_on_cuda(monkeypatch):
+    """A window policy that does not declare `has_kernel` never reaches the registered CUDA kernel."""
+    from vllm_evict.policies import register_raw_kernel
+    from vllm_evict.policies import window as window_module
+    from vllm_evict.policies.base import WindowPolicy
+
+    class PeakAttention(WindowPolicy):
+        name = "toy-peak"
+        default_window = 8
+
+        def head_raw(self, st):
+            return st.p.amax(dim=1)
+
+    def kernel(*args, **kwargs):
+        raise AssertionError("the kernel was called for a policy it does not implement")
+
+    monkeypatch.setitem(POLICIES, PeakAttention.name, PeakAttention())
+    monkeypatch.setattr(window_module, "_RAW_KERNEL", window_module._RAW_KERNEL)  # restored afterwards
+    register_raw_kernel(kernel)
+    q, k, v = random_qkv(n=300, w=8, h_kv=2, g=2, d=32, seed=5)
+    got = score_tokens("toy-peak", q.cuda(), k.cuda(), v.cuda())
+    torch.testing.assert_close(got.cpu(), score_tokens("toy-peak", q, k, v), rtol=1e-5, atol=1e-30)

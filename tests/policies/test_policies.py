@@ -11,7 +11,7 @@ from vllm_evict.policies import POLICIES, get_policy, raw_window_scores, score_t
 
 from .conftest import random_qkv
 
-WINDOW_POLICIES = ["snapkv", "h2o", "tova", "dropkv", "obcache-value", "obcache-key", "obcache-joint"]
+WINDOW_POLICIES = [name for name, policy in POLICIES.items() if policy.window_raw]
 
 
 def kept(row):
@@ -291,3 +291,13 @@ def test_overflowing_score_is_not_protected():
     s = Huge().score(None, k, k, window=1, pool_kernel=1, sink=0, gqa="mean", scale=1.0)
     assert count_protected(s) == 1
     assert s[0, :3].tolist() == [torch.finfo(torch.float32).max] * 2 + [float("-inf")]
+
+
+def test_kernel_support_is_declared_by_the_registry():
+    """`has_kernel` on a registry entry is what routes a policy to the Triton kernel on CUDA: it must name
+    exactly the policies the kernel implements (a policy without it runs the torch reference)."""
+    from kernels.window_scores import POLICIES as KERNEL_POLICIES
+
+    assert {name for name, policy in POLICIES.items() if policy.has_kernel} == set(KERNEL_POLICIES)
+    assert all(POLICIES[name].window_raw for name in KERNEL_POLICIES)
+

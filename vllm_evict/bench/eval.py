@@ -37,15 +37,15 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from vllm_evict.bench.ruler import DEFAULT_DEPTHS, TASKS, VARIANTS, Sample, generate_samples
+from vllm_evict.engine.request_config import EXTRA_ARGS_KEY
+from vllm_evict.policies import ALLOCATIONS, POLICIES
 
-EXTRA_ARGS_KEY = "vllm_evict"
-ALLOCATIONS = ("uniform", "adakv")
 BUDGETS = (0.05, 0.1, 0.2, 0.4, 1.0)
+# The quality table's default set (issue 6); "all" is every registered policy.
 CORE_POLICIES = ("snapkv", "dropkv", "keydiff", "obcache-value", "obcache-key", "obcache-joint",
                  "caote", "fastcaote", "streaming")
-OPTIONAL_POLICIES = ("tova", "h2o", "knorm")
-ALL_POLICIES = CORE_POLICIES + OPTIONAL_POLICIES
-UNIFORM_ONLY = ("streaming",)
+ALL_POLICIES = tuple(POLICIES)
+UNIFORM_ONLY = tuple(name for name, policy in POLICIES.items() if not policy.supports_adakv)
 
 
 def parse_policy(name: str) -> tuple[str, dict[str, Any]]:

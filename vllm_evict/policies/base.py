@@ -22,6 +22,7 @@ class Policy:
     name: str = ""
     needs_queries: bool = False  # reads window queries
     window_raw: bool = False  # raw score comes from raw_window_scores
+    has_kernel: bool = False  # the Triton window kernel implements its raw score (CUDA; else the torch reference)
     default_window: int = 0  # w (SPEC §4 table); 0 = no window
     default_pool_kernel: int = 1
     default_sink: int = 0

@@ -11,6 +11,7 @@ EPS = 1e-6
 
 class DropKV(WindowPolicy):
     name = "dropkv"
+    has_kernel = True  # kernels/window_scores.py
     default_window = 8
     default_pool_kernel = 11
 

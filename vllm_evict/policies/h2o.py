@@ -8,6 +8,7 @@ from .base import WindowPolicy
 
 class H2O(WindowPolicy):
     name = "h2o"
+    has_kernel = True  # kernels/window_scores.py
     default_window = 32
     default_pool_kernel = 1
 

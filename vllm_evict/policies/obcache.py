@@ -15,6 +15,7 @@ from .base import WindowPolicy
 
 class OBCacheValue(WindowPolicy):
     name = "obcache-value"
+    has_kernel = True  # kernels/window_scores.py
     default_window = 32
     default_pool_kernel = 7
 
@@ -24,6 +25,7 @@ class OBCacheValue(WindowPolicy):
 
 class OBCacheKey(WindowPolicy):
     name = "obcache-key"
+    has_kernel = True  # kernels/window_scores.py
     default_window = 32
     default_pool_kernel = 7
 
@@ -34,6 +36,7 @@ class OBCacheKey(WindowPolicy):
 
 class OBCacheJoint(WindowPolicy):
     name = "obcache-joint"
+    has_kernel = True  # kernels/window_scores.py
     default_window = 32
     default_pool_kernel = 7
 

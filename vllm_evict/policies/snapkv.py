@@ -5,6 +5,7 @@ from .base import WindowPolicy
 
 class SnapKV(WindowPolicy):
     name = "snapkv"
+    has_kernel = True  # kernels/window_scores.py
     default_window = 32
     default_pool_kernel = 7
 

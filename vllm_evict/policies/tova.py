@@ -9,6 +9,7 @@ from .base import WindowPolicy
 
 class TOVA(WindowPolicy):
     name = "tova"
+    has_kernel = True  # kernels/window_scores.py
     default_window = 1
     default_pool_kernel = 1
 

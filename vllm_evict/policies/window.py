@@ -31,7 +31,8 @@ _RAW_KERNEL: RawKernel | None = None
 
 
 def register_raw_kernel(fn: RawKernel | None) -> None:
-    """Install (or with None remove) a CUDA implementation used by raw_window_scores for CUDA inputs.
+    """Install (or with None remove) a CUDA implementation used by raw_window_scores for CUDA inputs of
+    the policies that declare `has_kernel` (the others run the torch reference).
 
     It is called as fn(policy_name, q_window, keys, values, scale=..., gqa=...) with validated inputs
     in their original dtype and must return float32 [H_kv, n] equal to the reference within SPEC §7.3.
@@ -160,6 +161,6 @@ def raw_window_scores(
     """
     pol = _resolve(policy)
     s = _check(q_window, keys, values, scale, gqa)
-    if _RAW_KERNEL is not None and keys.is_cuda:
+    if _RAW_KERNEL is not None and keys.is_cuda and pol.has_kernel:
         return _RAW_KERNEL(pol.name, q_window, keys, values, scale=s, gqa=gqa)
     return reference_raw_window_scores(pol, q_window, keys, values, scale=s, gqa=gqa)
