@@ -7,15 +7,11 @@ compiled kernel."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.kernels.interpreter import check_in_interpreter
+
 PAGE = 16
 
 
@@ -83,11 +79,7 @@ def test_reference_rule_by_hand():
 
 def test_kernel_in_triton_interpreter():
     pytest.importorskip("triton")
-    script = f"import sys; sys.path.insert(0, {str(REPO)!r}); from tests.kernels.test_per_head_tables import check; " \
-             "[check('cpu', s) for s in range(4)]"
-    res = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, TRITON_INTERPRET="1"),
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    check_in_interpreter("tests.kernels.test_per_head_tables")
 
 
 @pytest.mark.gpu
