@@ -52,11 +52,12 @@ def _install_triton_scoring() -> None:
 
 
 def _install_request_validation() -> None:
-    """Reject bad eviction parameters in the API process (a 400 from the OpenAI server, a ValueError
-    from `LLM.generate`) so they never reach the engine core."""
+    """Resolve every request's eviction once, in the API process: bad parameters are rejected there (a 400
+    from the OpenAI server, a ValueError from `LLM.generate`), and the engine core receives the canonical
+    nested form with the defaults applied (request_config.resolve_request)."""
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from vllm_evict.engine.request_config import parse_request
+    from vllm_evict.engine.request_config import resolve_request
 
     if getattr(InputProcessor, "_vllm_evict_validates", False):
         return
@@ -64,9 +65,8 @@ def _install_request_validation() -> None:
 
     def _validate_params(self, params, *args, **kwargs):
         original(self, params, *args, **kwargs)
-        extra_args = getattr(params, "extra_args", None)
-        if extra_args:
-            parse_request(extra_args)
+        if hasattr(params, "extra_args"):  # SamplingParams (pooling requests have no eviction)
+            params.extra_args = resolve_request(params.extra_args)
 
     InputProcessor._validate_params = _validate_params
     InputProcessor._vllm_evict_validates = True

@@ -34,6 +34,13 @@ class RequestEviction:
         """P, or None when this request evicts nothing."""
         return self.config.num_pages(self.eviction_point(num_prompt_tokens), page_size)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The nested request form (`_from_mapping(to_dict())` == self)."""
+        d = self.config.to_dict()
+        if self.evict_at is not None:
+            d["evict_at"] = self.evict_at
+        return d
+
 
 def _from_mapping(spec: Mapping[str, Any]) -> RequestEviction | None:
     if not isinstance(spec, Mapping):
@@ -80,11 +87,28 @@ def parse_request(extra_args: Mapping[str, Any] | None) -> RequestEviction | Non
     return None
 
 
-def parse_request_or_none(extra_args: Mapping[str, Any] | None) -> RequestEviction | None:
-    """parse_request for places that must never raise (engine core, worker): invalid -> None.
+def resolve_request(extra_args: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The API process's one resolution of a request's eviction: `extra_args` with the eviction (nested or
+    flat keys, else $VLLM_EVICT_DEFAULT) replaced by its canonical nested form, `{"policy": "none"}` when it
+    evicts nothing. The engine core and the workers then read exactly this, never the environment.
+    Returns extra_args unchanged when there is nothing to resolve; raises ValueError naming the bad field."""
+    spec = parse_request(extra_args)
+    if spec is None and not extra_args:
+        return extra_args if not os.environ.get(DEFAULT_ENV) else {EXTRA_ARGS_KEY: {"policy": "none"}}
+    out = {k: v for k, v in (extra_args or {}).items() if not str(k).startswith("eviction_") and k != EXTRA_ARGS_KEY}
+    out[EXTRA_ARGS_KEY] = {"policy": "none"} if spec is None else spec.to_dict()
+    return out
 
-    Invalid requests are rejected earlier, in the API process (see plugin._validate_eviction_params)."""
+
+def parse_request_or_none(extra_args: Mapping[str, Any] | None) -> RequestEviction | None:
+    """parse_request for the engine core and the workers, which must not raise: the API process already
+    resolved and validated the request (plugin.py), so a failure here is a bug, logged, and the request
+    runs without eviction."""
     try:
         return parse_request(extra_args)
-    except ValueError:
+    except ValueError as exc:
+        from vllm.logger import init_logger
+
+        init_logger(__name__).error("vllm-evict: unreadable eviction parameters reached the engine (%s); "
+                                    "the request runs without eviction", exc)
         return None
