@@ -2,11 +2,11 @@
 
 Times, for Llama-3.1-8B head shapes (H_q 32, H_kv 8, d 128, batch 1, bf16), dropkv (w 8) and
 snapkv (w 32) at n = 4K..128K:
-  * naive   : kernels.window_scores_reference.naive_torch_scores (bf16 torch, materialises the
+  * naive   : kernels.window_scores_naive.naive_torch_scores (bf16 torch, materialises the
               w x n attention matrix and, for dropkv, the w x n x d residual)
   * triton  : kernels.window_scores.window_scores (kernels A + C + B)
   * B only  : kernel B (the scoring pass) alone, on precomputed a / LSE
-  * ref32   : kernels.window_scores_reference.window_scores_reference (fp32, TF32 off)
+  * ref32   : vllm_evict.policies.reference_raw_window_scores (fp32, TF32 off)
 with triton.testing.do_bench (median, warm-up, inputs rotated across several buffers so that
 repeated calls do not hit L2), peak extra memory per call (torch.cuda.max_memory_allocated),
 plus the device's measured copy bandwidth (D2D copy, bytes read + written) and FP32/BF16 matmul
@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels import window_scores as ws  # noqa: E402
-from kernels.window_scores_reference import naive_torch_scores, window_scores_reference  # noqa: E402
+from kernels.window_scores_naive import naive_torch_scores  # noqa: E402
+from vllm_evict.policies import reference_raw_window_scores as window_scores_reference  # noqa: E402
 
 
 def _bench(fn, *, warmup=25, rep=100):

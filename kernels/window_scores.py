@@ -430,7 +430,7 @@ def _check_inputs(policy, q, k, v, gqa):
 def _plan(policy, q_window, keys, values, scale, gqa, config):
     """Validate and compute the launch plan (shared by the stages)."""
     if not _HAS_TRITON:
-        raise RuntimeError("window_scores needs Triton; use kernels.window_scores_reference on CPU")
+        raise RuntimeError("window_scores needs Triton; use vllm_evict.policies.reference_raw_window_scores on CPU")
     _check_inputs(policy, q_window, keys, values, gqa)
     if not keys.is_cuda and not _interpreting():
         raise ValueError("window_scores needs CUDA tensors (or TRITON_INTERPRET=1 for debugging)")

@@ -23,7 +23,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.window_scores_reference import WINDOW_POLICIES, naive_torch_scores, window_scores_reference
+from kernels.window_scores_naive import WINDOW_POLICIES, naive_torch_scores
+from vllm_evict.policies import reference_raw_window_scores as window_scores_reference
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -186,7 +187,8 @@ _INTERP_SCRIPT = textwrap.dedent(
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, sys.argv[1])
     from kernels.window_scores import window_scores, window_scores_batched, WindowScoreConfig
-    from kernels.window_scores_reference import window_scores_reference, WINDOW_POLICIES
+    from kernels.window_scores_naive import WINDOW_POLICIES
+    from vllm_evict.policies import reference_raw_window_scores as window_scores_reference
     g = torch.Generator().manual_seed(1234)
     bad = []
     # (n, w, H_q, H_kv, D); the interpreter's bf16 tl.dot is broken, so fp16 and fp32 are used

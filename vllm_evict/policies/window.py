@@ -100,13 +100,14 @@ class WindowStats:
         return torch.clamp(self.aa + self.vv - 2.0 * self.av, min=0.0)
 
 
-def window_stats(q_window: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_head: int, scale: float) -> WindowStats:
-    """WindowStats of KV head `kv_head` (inputs in any float dtype; upcast to fp32 here)."""
+def window_stats(q_window: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_head: int, scale: float,
+                 dtype: torch.dtype = torch.float32) -> WindowStats:
+    """WindowStats of KV head `kv_head` (inputs in any float dtype; upcast to `dtype`, fp32 or fp64, here)."""
     h_kv = keys.shape[1]
     g = q_window.shape[1] // h_kv
-    q = q_window[:, kv_head * g : (kv_head + 1) * g, :].to(torch.float32).permute(1, 0, 2)  # [g, w, D]
-    k = keys[:, kv_head, :].to(torch.float32)
-    v = values[:, kv_head, :].to(torch.float32)
+    q = q_window[:, kv_head * g : (kv_head + 1) * g, :].to(dtype).permute(1, 0, 2)  # [g, w, D]
+    k = keys[:, kv_head, :].to(dtype)
+    v = values[:, kv_head, :].to(dtype)
     return WindowStats(q, k, v, scale)
 
 
@@ -141,13 +142,17 @@ def _check(q_window, keys, values, scale, gqa) -> float:
 
 
 def reference_raw_window_scores(
-    policy: object, q_window: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: float | None = None, gqa: str = "mean"
+    policy: object, q_window: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: float | None = None,
+    gqa: str = "mean", dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Torch reference of raw_window_scores (always fp32 torch, whatever the device)."""
+    """Torch reference of raw_window_scores, whatever the device: fp32 (SPEC §7.2; TF32 off), or fp64 when
+    asked. It is also the reference of the Triton kernels (tests/kernels/test_window_scores.py): the raw
+    scores are written once, in each policy's `head_raw`."""
     pol = _resolve(policy)
     s = _check(q_window, keys, values, scale, gqa)
     with exact_fp32(keys.device):
-        out = [aggregate_gqa(pol.head_raw(window_stats(q_window, keys, values, i, s)), gqa) for i in range(keys.shape[1])]
+        out = [aggregate_gqa(pol.head_raw(window_stats(q_window, keys, values, i, s, dtype)), gqa)
+               for i in range(keys.shape[1])]
     return torch.stack(out).contiguous()
 
 
