@@ -251,14 +251,6 @@ def engine_arguments(cfg: EvalConfig, model_dir: str, samples: Sequence[Sample])
     return kwargs
 
 
-def make_llm(kwargs: dict[str, Any]):
-    from vllm import LLM
-
-    from vllm_evict.engine import engine_kwargs
-
-    return LLM(**engine_kwargs(**kwargs))
-
-
 def _report(output: Any) -> dict[str, Any] | None:
     try:
         from vllm_evict.engine import eviction_report
@@ -815,7 +807,11 @@ def run_eval(cfg: EvalConfig, llm: Any = None, log=None) -> EvalResult:
     elif own_llm:
         _log(f"starting vLLM: {engine_args}")
         t0 = time.time()
-        llm = make_llm(engine_args)
+        from vllm import LLM
+
+        from vllm_evict.engine import engine_kwargs
+
+        llm = LLM(**engine_kwargs(**engine_args))  # exactly the recorded arguments (no test defaults)
         _log(f"engine up in {time.time() - t0:.0f} s")
     if not cfg.report_only:
         probe = probe_engine(llm, probe_sample, _log)
