@@ -75,6 +75,8 @@ def test_shards_merge_to_the_unsharded_table(tokenizer_dir, tmp_path):
     assert single.complete
     accuracies = {r["accuracy"] for r in single.rows}
     assert len(accuracies) > 1, "the stand-in must make cells differ, or the comparison proves nothing"
+    title = (tmp_path / "single" / "q.md").read_text().splitlines()[2]
+    assert title.startswith(f"{tokenizer_dir.name}, RULER-style passkey")  # names the model that ran
 
     out = tmp_path / "sharded"
     for k in range(3):

