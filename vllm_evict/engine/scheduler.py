@@ -20,6 +20,7 @@ Preemption frees everything; the recompute evicts again at the same point.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,12 @@ class SchedulerEviction:
     reported: bool = False           # the report went out on a step's output (before the request ends)
 
 
+# vLLM's allocate_slots parameters after (self, request, num_new_tokens), and their defaults: passed through,
+# never copied into our signature.
+_ALLOCATE_SLOTS_DEFAULTS = {p.name: p.default for p in
+                            list(inspect.signature(KVCacheManager.allocate_slots).parameters.values())[3:]}
+
+
 class EvictionKVCacheManager(KVCacheManager):
     """KVCacheManager that knows which requests evict. Installed on the scheduler's manager instance."""
 
@@ -70,19 +77,12 @@ class EvictionKVCacheManager(KVCacheManager):
             num_hits = limit
         return (blocks, num_hits, *rest)
 
-    def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
-                       num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False,
-                       num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0,
-                       has_scheduled_reqs=True):
+    def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
         ev = self.evictions.get(request.request_id)
-        kwargs = dict(num_new_computed_tokens=num_new_computed_tokens, new_computed_blocks=new_computed_blocks,
-                      num_lookahead_tokens=num_lookahead_tokens,
-                      num_external_computed_tokens=num_external_computed_tokens,
-                      delay_cache_blocks=delay_cache_blocks, num_encoder_tokens=num_encoder_tokens,
-                      full_sequence_must_fit=full_sequence_must_fit, reserved_blocks=reserved_blocks,
-                      has_scheduled_reqs=has_scheduled_reqs)
         if ev is None:
-            return super().allocate_slots(request, num_new_tokens, **kwargs)
+            return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+        if args:  # vLLM passes keywords; positional ones are named by its signature (checked by surface.py)
+            kwargs.update(zip(_ALLOCATE_SLOTS_DEFAULTS, args))
         if ev.compacted:
             # Physical accounting: the manager sees the compacted length; never hash compacted blocks.
             kwargs["delay_cache_blocks"] = True
@@ -91,12 +91,13 @@ class EvictionKVCacheManager(KVCacheManager):
                 return super().allocate_slots(request, num_new_tokens, **kwargs)
             finally:
                 request.num_computed_tokens += ev.removed
-        chunk_end = (request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
-                     + num_new_tokens)
+        given = {**_ALLOCATE_SLOTS_DEFAULTS, **kwargs}
+        chunk_end = (request.num_computed_tokens + given["num_new_computed_tokens"]
+                     + given["num_external_computed_tokens"] + num_new_tokens)
         if chunk_end != ev.evict_at:
             return super().allocate_slots(request, num_new_tokens, **kwargs)
         # The chunk that ends at E: allocate it together with P fresh destination blocks.
-        kwargs["reserved_blocks"] = reserved_blocks + ev.pages
+        kwargs["reserved_blocks"] = given["reserved_blocks"] + ev.pages
         new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
         if new_blocks is None:
             return None
