@@ -206,3 +206,20 @@ def test_layers_at_once_match_each_layer(allocation):
 def test_allocate_pages_streaming_like_uniform_for_single_head():
     s = rand_scores(1, 100, 3)
     assert allocate_pages(s, 32, allocation="adakv").tolist() == [2]
+
+
+def test_given_pages_are_the_total():
+    """The engine passes P (the scheduler reserved exactly P*H pages per layer): the allocation uses it,
+    and equals the derived one when they agree."""
+    for seed in range(20):
+        rng = random.Random(900 + seed)
+        h, n, bs, w = rng.randint(2, 6), rng.randint(60, 200), rng.choice([4, 16]), rng.randint(0, 8)
+        s = rand_scores(h, n, seed, protect_last=w)
+        budget = rng.randint(1, n // 3)
+        P = num_pages(n, budget, bs, w)
+        if P is None:
+            continue
+        derived = allocate_pages(s, budget, allocation="adakv", page_size=bs)
+        assert torch.equal(allocate_pages(s, budget, allocation="adakv", page_size=bs, pages=P), derived)
+        more = allocate_pages(s, budget, allocation="adakv", page_size=bs, pages=P + 1)
+        assert int(more.sum()) == (P + 1) * h

@@ -57,7 +57,7 @@ def plan_compaction(config: EvictionConfig, q_window: torch.Tensor | None, keys:
         page_counts = torch.full((rows,), pages, dtype=torch.int64, device=scores.device)
     else:  # per layer, two host synchronisations for the whole group
         page_counts = allocate_pages(scores.view(num_layers, heads, n), config.budget, page_size=page_size,
-                                     **config.select_options()).view(-1).to(scores.device)
+                                     pages=pages, **config.select_options()).view(-1).to(scores.device)
     keep = keep_mask(scores, kept_counts(page_counts, n, page_size))
     return keep, page_counts
 

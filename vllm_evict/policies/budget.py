@@ -149,10 +149,13 @@ def allocate_pages(
     allocation: str = "uniform",
     page_size: int = 16,
     alpha: float = 0.2,
+    pages: int | None = None,
 ) -> torch.Tensor:
     """Pages per KV head p_i (CPU int64 [H_kv]) for final scores [H_kv, n] (protected = +inf); or
     [L, H_kv] for scores [L, H_kv, n], each layer allocated on its own with at most two host
-    synchronisations for all of them (the engine's path).
+    synchronisations for all of them (the engine's path). `pages` is P when the caller already has it
+    (the engine: the scheduler reserved exactly P*H_kv pages per layer); otherwise it is derived here
+    from the budget and the protected count r read off the scores.
 
     When nothing is evicted (num_pages is None) every head gets p_max = ceil(n/bs) pages, i.e. keeps all n.
     Kept tokens of head i: K_i = min(n, p_i * page_size).
@@ -168,21 +171,21 @@ def allocate_pages(
     if stats[0]:
         raise ValueError("scores contain NaN (a scoring bug; SPEC §7.1)")
     r = stats[1:]
-    pages = [num_pages(n, budget, page_size, ri) for ri in r]
+    per_layer = [num_pages(n, budget, page_size, ri) if pages is None else pages for ri in r]
     p_max = -(-n // page_size)
-    out = [[p_max if p is None else p] * h for p in pages]
-    adakv = [i for i, p in enumerate(pages) if p is not None and allocation == "adakv" and h > 1]
+    out = [[p_max if p is None else p] * h for p in per_layer]
+    adakv = [i for i, p in enumerate(per_layer) if p is not None and allocation == "adakv" and h > 1]
     if adakv:
         # Ada-KV (SPEC §3.4). Step 1: global stable top-B over each layer's head-major flattening; one
         # transfer for the head counts f of all layers.
         rows = torch.tensor(adakv, device=layers.device)
         order = torch.sort(layers[rows].reshape(len(adakv), h * n), dim=1, descending=True, stable=True).indices
-        top = torch.tensor([pages[i] * h * page_size for i in adakv], device=layers.device)
+        top = torch.tensor([per_layer[i] * h * page_size for i in adakv], device=layers.device)
         in_top = torch.arange(h * n, device=layers.device) < top.view(-1, 1)
         f = torch.zeros(len(adakv), h, dtype=torch.int64, device=layers.device)
         f.scatter_add_(1, torch.div(order, n, rounding_mode="floor"), in_top.to(torch.int64))
         for i, fi in zip(adakv, f.tolist()):
-            out[i] = _adakv_round(fi, pages[i], r[i], n, page_size, alpha)
+            out[i] = _adakv_round(fi, per_layer[i], r[i], n, page_size, alpha)
     result = torch.tensor(out, dtype=torch.long)
     return result if scores.dim() == 3 else result[0]
 
