@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from vllm_evict.policies import EvictionConfig
+from vllm_evict.policies.config import parse_int_field
 
 EXTRA_ARGS_KEY = "vllm_evict"
 # Engine-level default for requests that say nothing (e.g. `{"policy": "snapkv", "budget": 0.2}` as JSON).
@@ -65,8 +66,8 @@ def flat_request(extra_args: Mapping[str, Any] | None) -> dict[str, Any] | None:
         return None
     evict_at = flat.pop("eviction_evict_at", None)
     fields = EvictionConfig.flat_fields(flat)
-    if evict_at is not None:
-        fields["evict_at"] = int(evict_at)
+    if evict_at is not None:  # typed like the config's integer fields; _from_mapping validates it
+        fields["evict_at"] = parse_int_field("evict_at", evict_at)
     return fields
 
 

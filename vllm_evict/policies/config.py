@@ -108,7 +108,7 @@ class EvictionConfig:
             if key in ("budget", "alpha"):
                 d[key] = _parse_number(key, value)
             elif key in ("window", "pool_kernel", "sink"):
-                d[key] = _parse_int(key, value)
+                d[key] = parse_int_field(key, value)
             elif key == "chunked":
                 d[key] = _parse_bool(key, value)
             else:
@@ -194,7 +194,9 @@ def _parse_number(key: str, value: Any) -> Any:
     return value
 
 
-def _parse_int(key: str, value: Any) -> Any:
+def parse_int_field(key: str, value: Any) -> Any:
+    """An integer field as a request may send it ("300", 300.0 -> 300); anything else is returned as is,
+    for the field's own validation to reject."""
     value = _parse_number(key, value)
     if isinstance(value, float) and value.is_integer():
         return int(value)
