@@ -66,3 +66,79 @@ def test_pressure_caused_preemption(small_engine):
         llm_engine.step()
         preemptions = max(preemptions, sum(r.num_preemptions for r in list(scheduler.running) + list(scheduler.waiting)))
     assert preemptions > 0
+
+
+def random_schedule(seed: int, num_requests: int = 8):
+    """A seeded mix: policies, budgets and allocations from the registry, plain requests, a shared
+    prefix, and an abort step (or None) per request."""
+    from vllm_evict.policies import POLICIES
+
+    rng = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (), generator=rng))]
+
+    shared = torch.randint(3, 1000, (160,), generator=rng).tolist()
+    requests = []
+    for i in range(num_requests):
+        tail = torch.randint(3, 1000, (int(torch.randint(120, 300, (), generator=rng)),), generator=rng).tolist()
+        prompt = (shared + tail) if i % 3 == 0 else tail + shared[:40]
+        policy = pick(list(POLICIES) + ([None] * 6 if i else []))  # the first always evicts and finishes
+        eviction = None if policy is None else {
+            "policy": policy, "budget": pick([0.25, 0.5, 48]),
+            "allocation": "uniform" if not POLICIES[policy].supports_adakv else pick(["uniform", "adakv"])}
+        abort_at = pick([None, None, None, None, 1, 3, 6, 12, 25]) if i else None  # steps after its arrival
+        requests.append((f"r{seed}-{i}", prompt, eviction, abort_at, int(torch.randint(40, 160, (), generator=rng))))
+    return requests
+
+
+@pytest.mark.parametrize("seed", range(int(__import__("os").environ.get("VLLM_EVICT_SOAK_SEEDS", "2"))))
+def test_random_schedules_lose_nothing_and_leak_nothing(small_engine, tiny_llama, seed):
+    """Seeded random mixes under KV pressure (preemptions), with aborts at random points (mid-prefill,
+    around compaction, mid-decode) and arrivals spread over steps: afterwards the pool is back at idle,
+    every request finished or was aborted, and every finished evicting request equals the reference.
+    VLLM_EVICT_SOAK_SEEDS=N runs N seeds (a soak); CI runs 2."""
+    from vllm import SamplingParams
+
+    from vllm_evict.policies import EvictionConfig
+    from vllm_evict.testing.reference import ReferenceDecoder
+
+    llm_engine = small_engine.llm_engine
+    scheduler = llm_engine.engine_core.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    idle_free = pool.get_num_free_blocks()
+    requests = random_schedule(seed)
+    arrivals = {i: i for i in range(len(requests))}     # one new request per step: KV pressure
+    finished: dict[str, list[int]] = {}
+    aborted: set[str] = set()
+    step = preempted = 0
+    while len(finished) + len(aborted) < len(requests):
+        for i, (req_id, prompt, eviction, abort_at, max_tokens) in enumerate(requests):
+            if arrivals[i] == step:
+                llm_engine.add_request(req_id, {"prompt_token_ids": prompt}, SamplingParams(
+                    temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                    extra_args={"vllm_evict": eviction} if eviction else None))
+            elif abort_at is not None and step == arrivals[i] + abort_at and req_id not in finished:
+                llm_engine.abort_request([req_id])
+                aborted.add(req_id)
+        preempted = max(preempted, sum(r.num_preemptions for r in list(scheduler.running) + list(scheduler.waiting)))
+        for out in llm_engine.step():
+            if out.finished and out.request_id not in aborted:
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+        step += 1
+        assert step < 2000, "the engine stopped making progress"
+    while llm_engine.has_unfinished_requests():   # aborted requests drain
+        llm_engine.step()
+    assert pool.get_num_free_blocks() == idle_free
+    assert not scheduler.evictions and not scheduler.requests
+    assert set(finished) | aborted == {r[0] for r in requests} and not set(finished) & aborted
+    reference = ReferenceDecoder(tiny_llama)
+    checked = 0
+    for req_id, prompt, eviction, _, max_tokens in requests:
+        if req_id in finished and eviction is not None:
+            expected = reference.generate(prompt, max_tokens, EvictionConfig.from_dict(eviction), page_size=PAGE)
+            assert finished[req_id] == expected.token_ids, (req_id, eviction)
+            checked += 1
+    assert checked > 0 and aborted  # the schedule really finished evicting requests and aborted others
+    print(f"seed {seed}: {len(finished)} finished, {len(aborted)} aborted, {checked} checked against the "
+          f"reference, {preempted} preemptions at most at once, {step} steps")
