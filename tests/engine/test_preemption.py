@@ -92,6 +92,33 @@ def random_schedule(seed: int, num_requests: int = 8):
     return requests
 
 
+def near_tie(reference, prompt, config, rel=1e-5) -> bool:
+    """Whether the reference's selection for this prompt has a near-tie at a kept/evicted boundary (SPEC
+    §7.3): the engine's fp32 keys differ from the HF reference's in the last bits, so such a kept set may
+    legitimately differ (one seed of a 30-seed soak had a 1e-7 relative gap in K-norm)."""
+    from vllm_evict.policies import allocate_pages, kept_counts, score_tokens
+
+    def close(a, b):
+        return bool(torch.isfinite(a) and torch.isfinite(b) and (a - b).abs() <= rel * a.abs())
+
+    per_layer, _ = reference.prefill(prompt)
+    n, w = len(prompt), config.window_size()
+    for q, k, v in per_layer:
+        scores = score_tokens(config.policy, q[n - w:] if w else q[:0], k, v, scale=reference.scale,
+                              **config.score_options())
+        pages = allocate_pages(scores, config.budget, page_size=PAGE, **config.select_options())
+        for row, kept in zip(scores, kept_counts(pages, n, PAGE).tolist()):
+            ordered = torch.sort(row, descending=True).values
+            if kept < n and close(ordered[kept - 1], ordered[kept]):
+                return True
+        if config.allocation == "adakv":  # the global top-B that apportions the pages
+            ordered = torch.sort(scores.flatten(), descending=True).values
+            top = int(pages.sum()) * PAGE
+            if top < ordered.numel() and close(ordered[top - 1], ordered[top]):
+                return True
+    return False
+
+
 @pytest.mark.parametrize("seed", range(int(__import__("os").environ.get("VLLM_EVICT_SOAK_SEEDS", "2"))))
 def test_random_schedules_lose_nothing_and_leak_nothing(small_engine, tiny_llama, seed):
     """Seeded random mixes under KV pressure (preemptions), with aborts at random points (mid-prefill,
@@ -133,12 +160,16 @@ def test_random_schedules_lose_nothing_and_leak_nothing(small_engine, tiny_llama
     assert not scheduler.evictions and not scheduler.requests
     assert set(finished) | aborted == {r[0] for r in requests} and not set(finished) & aborted
     reference = ReferenceDecoder(tiny_llama)
-    checked = 0
+    checked = ties = 0
     for req_id, prompt, eviction, _, max_tokens in requests:
         if req_id in finished and eviction is not None:
-            expected = reference.generate(prompt, max_tokens, EvictionConfig.from_dict(eviction), page_size=PAGE)
-            assert finished[req_id] == expected.token_ids, (req_id, eviction)
+            config = EvictionConfig.from_dict(eviction)
+            expected = reference.generate(prompt, max_tokens, config, page_size=PAGE)
+            if finished[req_id] != expected.token_ids:
+                assert near_tie(reference, prompt, config), (req_id, eviction, finished[req_id], expected.token_ids)
+                ties += 1
+                continue
             checked += 1
     assert checked > 0 and aborted  # the schedule really finished evicting requests and aborted others
-    print(f"seed {seed}: {len(finished)} finished, {len(aborted)} aborted, {checked} checked against the "
-          f"reference, {preempted} preemptions at most at once, {step} steps")
+    print(f"seed {seed}: {len(finished)} finished, {len(aborted)} aborted, {checked} equal to the reference, "
+          f"{ties} near-ties, {preempted} preemptions at most at once, {step} steps")
