@@ -3,6 +3,8 @@ same point and still matches the independent reference; no block leaks. Own engi
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -119,7 +121,7 @@ def near_tie(reference, prompt, config, rel=1e-5) -> bool:
     return False
 
 
-@pytest.mark.parametrize("seed", range(int(__import__("os").environ.get("VLLM_EVICT_SOAK_SEEDS", "2"))))
+@pytest.mark.parametrize("seed", range(int(os.environ.get("VLLM_EVICT_SOAK_SEEDS", "2"))))
 def test_random_schedules_lose_nothing_and_leak_nothing(small_engine, tiny_llama, seed):
     """Seeded random mixes under KV pressure (preemptions), with aborts at random points (mid-prefill,
     around compaction, mid-decode) and arrivals spread over steps: afterwards the pool is back at idle,
