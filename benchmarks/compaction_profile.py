@@ -46,9 +46,9 @@ def setup(policy: str, n: int, precision: str, allocation: str):
         state = WorkerEviction(req_id="r", spec=RequestEviction(config), evict_at=n, pages=pages, window=window,
                                page_size=N)
         state.q_window = {i: torch.randn(window, H * G, D, device=dev, dtype=dt) for i in range(LAYERS)} if window else {}
-        state.prompt_device = torch.randperm(num_prompt_blocks, device=dev).to(torch.int32)
-        state.fresh_device = torch.arange(num_prompt_blocks, num_prompt_blocks + pages, device=dev)
-        return state
+        blocks = (torch.randperm(num_prompt_blocks, device=dev).to(torch.int32),
+                  torch.arange(num_prompt_blocks, num_prompt_blocks + pages, device=dev))
+        return state, blocks
 
     return layers, run
 
@@ -59,12 +59,12 @@ def profile(policy: str, n: int, precision: str, allocation: str, repeats: int) 
     layers, make_state = setup(policy, n, precision, allocation)
 
     def timed() -> tuple[float, float]:
-        state = make_state()
+        state, blocks = make_state()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
         start.record()
-        compact_request(state, layers, D ** -0.5)
+        compact_request(state, layers, D ** -0.5, *blocks)
         end.record()
         host = time.perf_counter() - t0
         torch.cuda.synchronize()
@@ -78,10 +78,10 @@ def profile(policy: str, n: int, precision: str, allocation: str, repeats: int) 
            "host_enqueue_ms": round(statistics.median(w[1] for w in warm), 3)}
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    state = make_state()
+    state, blocks = make_state()
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        compact_request(state, layers, D ** -0.5)
+        compact_request(state, layers, D ** -0.5, *blocks)
         torch.cuda.synchronize()
     kernels = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:10]
     row["top_kernels_us"] = {e.key[:60]: [round(e.device_time_total, 1), e.count] for e in kernels}

@@ -13,9 +13,10 @@ scatter_kept(caches, keys, values, slots)
     slots [G, n, H] int64: per-head slot (page*page_size + offset of the per-head page view, page =
     block*H + h) of token t in layer g, -1 = not kept; writes keys/values [n, G, H, D] there.
 
-The strides of the buffers are specialised (multiples of 16 for the usual head sizes, so that the
-accesses vectorise); they depend on G but never on n. Both have a torch reference below (`*_reference`); tests/kernels/test_paged_kv.py checks them against it
-(Triton interpreter on CPU, and on GPU). Nothing depends on n or G at compile time.
+n and H are not specialised, so no prompt length or group size compiles a new variant. The buffer
+strides are (multiples of 16 for the usual head sizes, whatever G is), so that the accesses vectorise.
+Both kernels have a torch reference below (`*_reference`); tests/kernels/test_paged_kv.py checks them
+against it (Triton interpreter on CPU, and on GPU).
 """
 
 from __future__ import annotations
@@ -55,20 +56,25 @@ def _offsets_tensor(offsets: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(offsets, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
 
 
+@triton.jit
+def _tile(n, H, BLOCK: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr):
+    """This program's (layer g, head h, token rows t, their validity, head-dim columns d)."""
+    gh = tl.program_id(1)
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    d = tl.arange(0, D_P)
+    return gh // H, gh % H, t, t < n, d, (d < D)[None, :]
+
+
 @triton.jit(do_not_specialize=["n", "H"])
 def _gather_prompt_kernel(base, offsets, blocks, keys, values, n, H,
                           s_kt, s_kg, s_kh, s_vt, s_vg, s_vh,
                           D: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
                           ALIGN: tl.constexpr):
-    gh = tl.program_id(1)
-    g = gh // H
-    h = gh % H
-    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    d = tl.arange(0, D_P)
-    t_ok = t < n
-    mask = t_ok[:, None] & (d < D)[None, :]
+    g, h, t, t_ok, d, d_ok = _tile(n, H, BLOCK, D, D_P)
+    mask = t_ok[:, None] & d_ok
     block = tl.load(blocks + t // PAGE, mask=t_ok, other=0).to(tl.int64)
-    src = base + tl.multiple_of(tl.load(offsets + g), ALIGN) + ((block * H + h) * PAGE + t % PAGE)[:, None] * (2 * D) + d[None, :]
+    row = (block * H + h) * PAGE + t % PAGE
+    src = base + tl.multiple_of(tl.load(offsets + g), ALIGN) + row[:, None] * (2 * D) + d[None, :]
     k = tl.load(src, mask=mask)
     v = tl.load(src + D, mask=mask)
     t64 = t.to(tl.int64)[:, None]
@@ -80,15 +86,9 @@ def _gather_prompt_kernel(base, offsets, blocks, keys, values, n, H,
 def _scatter_kept_kernel(base, offsets, slots, keys, values, n, H,
                          s_kt, s_kg, s_kh, s_vt, s_vg, s_vh,
                          D: tl.constexpr, D_P: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
-    gh = tl.program_id(1)
-    g = gh // H
-    h = gh % H
-    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    d = tl.arange(0, D_P)
-    t_ok = t < n
+    g, h, t, t_ok, d, d_ok = _tile(n, H, BLOCK, D, D_P)
     slot = tl.load(slots + (g * n + t).to(tl.int64) * H + h, mask=t_ok, other=-1)
-    kept = slot >= 0
-    mask = kept[:, None] & (d < D)[None, :]
+    mask = (slot >= 0)[:, None] & d_ok
     t64 = t.to(tl.int64)[:, None]
     k = tl.load(keys + t64 * s_kt + g * s_kg + h * s_kh + d[None, :], mask=mask)  # masked rows: no traffic
     v = tl.load(values + t64 * s_vt + g * s_vg + h * s_vh + d[None, :], mask=mask)

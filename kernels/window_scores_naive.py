@@ -22,10 +22,9 @@ import math
 
 import torch
 
-EPS = 1e-6
-
 from kernels.window_scores import POLICIES
 
+EPS = 1e-6
 WINDOW_POLICIES = tuple(POLICIES)  # the policies the kernels implement
 
 __all__ = ["WINDOW_POLICIES", "naive_torch_scores", "EPS"]

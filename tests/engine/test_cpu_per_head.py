@@ -100,8 +100,7 @@ def test_all_layers_at_once_equal_layer_by_layer(monkeypatch, policy, allocation
             layers.append((i, cache, kv))
         state = WorkerEviction(req_id="r", spec=RequestEviction(config), evict_at=E, pages=P,
                                window=config.window_size(), page_size=N, q_window=dict(q_window))
-        state.prompt_device, state.fresh_device = prompt_blocks, fresh
-        compaction.compact_request(state, [(i, cache) for i, cache, _ in layers], 0.125)
+        compaction.compact_request(state, [(i, cache) for i, cache, _ in layers], 0.125, prompt_blocks, fresh)
         for i, _, kv in layers:
             pages, counts, kept = expected[i]
             assert torch.equal(kv[fresh.long()], pages), (group_layers, i)

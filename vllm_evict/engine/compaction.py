@@ -85,11 +85,12 @@ def layer_groups(layers: list, prompt_len: int, num_heads: int, head_dim: int, i
     return [layers[i: i + size] for i in range(0, len(layers), size)]
 
 
-def compact_request(state, layers: list[tuple[int, object]], scale: float) -> None:
+def compact_request(state, layers: list[tuple[int, object]], scale: float, prompt_blocks: torch.Tensor,
+                    fresh_blocks: torch.Tensor) -> None:
     """Score, select and move one request's kept prompt tokens into its P fresh blocks, in every layer.
 
-    layers: (layer index, paged cache adapter) in layer order; `state` is the worker's WorkerEviction
-    with its prompt and fresh block ids on the cache's device. Fills state.layers."""
+    layers: (layer index, paged cache adapter) in layer order; `state` is the worker's WorkerEviction;
+    prompt_blocks / fresh_blocks: the request's block ids on the cache's device. Fills state.layers."""
     E, P, N = state.evict_at, state.pages, state.page_size
     cache = layers[0][1]
     H, D = cache.num_heads, cache.head_dim
@@ -98,14 +99,14 @@ def compact_request(state, layers: list[tuple[int, object]], scale: float) -> No
         caches = [layer_cache for _, layer_cache in group]
         keys = torch.empty(E, G, H, D, dtype=cache.dtype, device=cache.device)
         values = torch.empty_like(keys)
-        cache.gather_layers(caches, state.prompt_device, E, keys, values)
+        cache.gather_layers(caches, prompt_blocks, E, keys, values)
         q_window = None
         if state.window:
             q_window = torch.stack([state.q_window[index] for index, _ in group], dim=1).flatten(1, 2)
         keep, counts = plan_compaction(state.spec.config, q_window, keys.view(E, G * H, D),
                                        values.view(E, G * H, D), scale, N, P, num_layers=G)
         keep, counts = keep.view(G, H, E), counts.view(G, H)
-        cache.write_layers(caches, keys, values, compaction_slots(keep, counts, state.fresh_device, N).contiguous())
+        cache.write_layers(caches, keys, values, compaction_slots(keep, counts, fresh_blocks, N).contiguous())
         kept = keep.sum(dim=-1)
         for i, (index, _) in enumerate(group):
             state.layers[index] = LayerCompaction(page_counts=counts[i], kept=kept[i])

@@ -94,8 +94,8 @@ def resolve_request(extra_args: Mapping[str, Any] | None) -> dict[str, Any] | No
     evicts nothing. The engine core and the workers then read exactly this, never the environment.
     Returns extra_args unchanged when there is nothing to resolve; raises ValueError naming the bad field."""
     spec = parse_request(extra_args)
-    if spec is None and not extra_args:
-        return extra_args if not os.environ.get(DEFAULT_ENV) else {EXTRA_ARGS_KEY: {"policy": "none"}}
+    if spec is None and not extra_args and not os.environ.get(DEFAULT_ENV):
+        return extra_args  # a plain request with no default: nothing the engine could read differently
     out = {k: v for k, v in (extra_args or {}).items() if not str(k).startswith("eviction_") and k != EXTRA_ARGS_KEY}
     out[EXTRA_ARGS_KEY] = {"policy": "none"} if spec is None else spec.to_dict()
     return out

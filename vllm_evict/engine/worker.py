@@ -46,8 +46,6 @@ class WorkerEviction:
     prompt_blocks: int = 0              # cdiv(E, page_size): prompt blocks before the P fresh ones
     prompt_block_ids: list[int] = field(default_factory=list)  # the prompt blocks (set for the compaction step)
     fresh_blocks: list[int] = field(default_factory=list)  # the P fresh block ids (set for the compaction step)
-    prompt_device: torch.Tensor | None = None              # both on the cache's device (compaction step)
-    fresh_device: torch.Tensor | None = None
     serial: int = field(default_factory=itertools.count().__next__)  # unique per eviction (cache keys)
 
     @property
@@ -182,7 +180,6 @@ class WorkerEvictionState:
                 runner.input_batch.block_table.add_row(req.block_ids, row)
             state.compacted = True
             state.q_window.clear()
-            state.prompt_device = state.fresh_device = None
         self.pending_strip.clear()
 
     def build_plan(self, runner, scheduler_output) -> None:
@@ -264,9 +261,8 @@ class WorkerEvictionState:
         for row in plan.compacting:
             state = plan.states[row]
             started = self.latency.start(device)
-            state.prompt_device = host_to_device(state.prompt_block_ids, device)
-            state.fresh_device = host_to_device(state.fresh_blocks, device)
-            compact_request(state, layers, plan.scale)
+            compact_request(state, layers, plan.scale, host_to_device(state.prompt_block_ids, device),
+                            host_to_device(state.fresh_blocks, device))
             self.latency.stop(state.req_id, started)
 
     def end_step(self) -> None:
