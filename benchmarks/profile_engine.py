@@ -12,11 +12,13 @@ Prints the top operators by device time and by host time.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 
 def bench(fn, iters=20):
@@ -83,7 +85,6 @@ def attention_alone(batch: int, kv_len: int) -> dict:
 
 def engine_profile(args, out_dir: Path) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from torch.profiler import ProfilerActivity, profile
     from vllm import LLM, SamplingParams
 
     from vllm_evict.engine import engine_kwargs
@@ -179,6 +180,34 @@ def engine_profile(args, out_dir: Path) -> None:
     table(prof, "prefill + compaction", out_dir / "profile_compaction.txt")
 
 
+def timeline(trace_path: Path) -> dict:
+    """GPU timeline of a chrome trace: total kernel time, and per `vllm_evict.compact` host range the
+    kernels launched inside it: their GPU span, their summed time, the GPU idle time before the first one
+    (after the forward), and the median lag from launch to start. A lag near zero with idle time in the
+    span means the GPU waited for the host to launch the compaction work."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    ranges = [e for e in events if e.get("name") == "vllm_evict.compact" and e.get("ph") == "X"
+              and e.get("cat") == "user_annotation"]
+    rows = []
+    for r in sorted(ranges, key=lambda e: e["ts"]):
+        inside = [k for k in kernels if r["ts"] <= launches.get(k["args"].get("correlation"), -1) <= r["ts"] + r["dur"]]
+        if not inside:
+            continue
+        start, end = inside[0]["ts"], max(k["ts"] + k["dur"] for k in inside)
+        before = [k for k in kernels if k["ts"] + k["dur"] <= start]
+        lags = sorted(k["ts"] - launches[k["args"]["correlation"]] for k in inside)
+        rows.append({"host_us": round(r["dur"]), "span_us": round(end - start),
+                     "busy_us": round(sum(k["dur"] for k in inside)), "kernels": len(inside),
+                     "idle_before_us": round(start - before[-1]["ts"] - before[-1]["dur"]) if before else None,
+                     "median_launch_lag_us": round(lags[len(lags) // 2])})
+    busy = sum(k["dur"] for k in kernels)
+    wall = (kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]) if kernels else 0
+    return {"kernel_ms": round(busy / 1e3, 1), "gpu_span_ms": round(wall / 1e3, 1), "compaction": rows}
+
+
 def prefill_profile(args, engine, add, table, ev, out_dir):
     """Prefill-only passes (max_tokens=1) of B prompts, plain then evicting, after one warm-up request of
     each kind at the same length (Triton compiles stay out); wall time and profiles of both."""
@@ -193,6 +222,9 @@ def prefill_profile(args, engine, add, table, ev, out_dir):
                     engine.step()
                 torch.cuda.synchronize()
             table(prof, f"prefill {label}", out_dir / f"profile_prefill_{label}.txt")
+            trace = out_dir / f"trace_prefill_{label}.json"
+            prof.export_chrome_trace(str(trace))
+            print(json.dumps({"timeline": label, **timeline(trace)}), flush=True)
         else:
             while engine.has_unfinished_requests():
                 engine.step()

@@ -321,7 +321,8 @@ def suite_prefill(args, drv: Driver, deadline: float) -> dict:
             args.prompt_len = length
             run = run_load(args, drv, deadline, num, 1, eviction, False)
             rows.append({"kind": "prefill", "prompt_len": length, "requests": num, "eviction": eviction,
-                         "wall_s": run["wall_s"], "evict_ms_mean": run.get("evict_ms_mean")})
+                         "wall_s": run["wall_s"], "evict_ms_mean": run.get("evict_ms_mean"),
+                         "complete": run["stop_reason"] == "all requests finished"})
         for length in args.ttft_lengths:
             ttft, reported = [], []
             for _ in range(args.repeats):
@@ -349,8 +350,8 @@ SUITES = {"latency": suite_latency, "load": suite_load, "capacity": suite_capaci
 def run_one(args) -> dict:
     if args.engine == "vanilla":
         os.environ["VLLM_PLUGINS"] = "none"  # load no general plugins at all: stock vLLM
-    deadline = time.time() + args.time_limit
     engine, start_s = make_engine(args)
+    deadline = time.time() + args.time_limit  # for the measurements: a slow engine start cuts none short
     import torch
 
     sched = engine.engine_core.engine_core.scheduler
@@ -395,6 +396,12 @@ PLANS = {
                    ("evict", "prefill", ["--prefill-shapes", "8192:64", "32768:32", *PREFILL14_ARGS[4:],
                                          "--prefill-policies", "dropkv:uniform", "keydiff:uniform", "dropkv:adakv"],
                     330)],
+    # session 7: the final code (warm-up through the engine's path, constant merge width) with its
+    # vanilla in the same call: DropKV, KeyDiff and DropKV + Ada-KV on 64 x 8K and 32 x 32K, TTFT at 8K and 32K
+    "prefill14d": [("vanilla", "prefill", ["--prefill-shapes", "8192:64", "32768:32", *PREFILL14_ARGS[4:]], 180),
+                   ("evict", "prefill", ["--prefill-shapes", "8192:64", "32768:32", *PREFILL14_ARGS[4:],
+                                         "--prefill-policies", "dropkv:uniform", "keydiff:uniform",
+                                         "dropkv:adakv"], 300)],
     # the last call of session 4: the 8K shape and the prefill table on the same two engines
     "final13_14": [("vanilla", "e2e,prefill", ["--shapes", "8192:2048:32", "--prefill-shapes", "8192:32", "32768:16",
                                                "--ttft-lengths", "8192", "32768", "--repeats", "3",

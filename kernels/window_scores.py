@@ -32,8 +32,8 @@ M = g*w rows (row m = hg*W_P + t; padded to powers of two, at least 16 rows for 
   key tile of BLOCK_N = SUB_N * num_sub keys (num_sub sub-tiles in a software-pipelined loop, so
   that q, LSE and a are loaded once per program and the K/V loads of the next sub-tile overlap
   the math of the current one; num_sub shrinks at small n to keep the grid >= 4 programs/SM).
-  n, w, num_sub and the split count are runtime arguments, never specialized: the first prompt
-  of a new length compiles nothing.
+  n, w, num_sub and the split count are runtime arguments, never specialized, and the merge width
+  is the constant MAX_SPLITS: neither a new prompt length nor a new B*H_kv compiles anything.
   loads k_j, v_j once, recomputes z = s*q·k (bf16 tensor-core dot, fp32 accumulate),
   p = exp(z - LSE) (fp32, never rounded to bf16), <a, v> with a second dot in IEEE fp32,
   applies the policy epilogue, reduces over t then over the g heads (mean or max) and writes
@@ -459,20 +459,20 @@ def _plan(policy, q_window, keys, values, scale, gqa, config):
     return P
 
 
-def _split_cap(P) -> int:
-    """Most splits any n can get: the merge kernel's width is sized from this, never from n."""
-    cfg = P["cfg"]
-    return max(1, int(cfg.num_splits)) if cfg.num_splits is not None else triton.cdiv(2 * P["sms"], P["BH"])
+# Most key splits of kernel A. The merge kernel's width is this constant, never a function of n or of
+# B*H_kv (the engine folds a group of layers into B*H_kv, and the group size varies with the prompt
+# length): one merge variant per head shape. 64 splits keep >= 2 programs per SM down to B*H_kv = 5.
+MAX_SPLITS = 64
 
 
 def _splits_for(P, block_n_a):
     cfg, BH = P["cfg"], P["BH"]
     n_tiles = triton.cdiv(P["n"], block_n_a)
     if cfg.num_splits is not None:
-        splits = max(1, min(int(cfg.num_splits), n_tiles))
+        splits = max(1, min(int(cfg.num_splits), n_tiles, MAX_SPLITS))
     else:
         target = 2 * P["sms"]
-        splits = 1 if BH >= target else min(n_tiles, triton.cdiv(target, BH))
+        splits = 1 if BH >= target else min(n_tiles, triton.cdiv(target, BH), MAX_SPLITS)
         # keep >= 4 tiles per split so that the merge stays small next to the pass
         splits = max(1, min(splits, n_tiles // 4))
     tiles_per_split = triton.cdiv(n_tiles, splits)
@@ -520,7 +520,7 @@ def _forward(plan, q_window, keys, values):
         block_m = min(M_P, 32)
         _splitk_merge_kernel[(BH, M_P // block_m)](
             m_part, l_part, acc_part, a_buf, lse, splits,
-            M_P=M_P, D_P=D_P, S_P=max(2, _next_pow2(_split_cap(P))), BLOCK_M=block_m,
+            M_P=M_P, D_P=D_P, S_P=MAX_SPLITS, BLOCK_M=block_m,
             NEED_A=need_a, num_warps=4,
         )
         return splits

@@ -419,8 +419,10 @@ def test_dropkv_peaked_attention(n):
 @pytest.mark.gpu
 @gpu
 def test_new_prompt_lengths_compile_nothing():
-    """After one prompt length, every other length (aligned or not, short or long, split or not) runs
-    on the kernels already compiled (issue 14: no per-length recompiles)."""
+    """After one prompt length, every other length (aligned or not, short or long, split or not) and
+    every other number of KV heads (the engine folds a group of layers into the head axis, and the group
+    size depends on the prompt length) runs on the kernels already compiled (issue 14: no per-length
+    recompiles)."""
     from kernels import window_scores as ws
 
     kernels = (ws._window_fwd_kernel, ws._splitk_merge_kernel, ws._window_score_kernel)
@@ -428,10 +430,10 @@ def test_new_prompt_lengths_compile_nothing():
     def compiled() -> int:
         return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
 
-    def run(n):
-        q = torch.randn(8, 32, 128, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(n, 8, 128, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(n, 8, 128, device="cuda", dtype=torch.bfloat16)
+    def run(n, heads=8):
+        q = torch.randn(8, 4 * heads, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(n, heads, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(n, heads, 128, device="cuda", dtype=torch.bfloat16)
         ws.window_scores("dropkv", q, k, v)
 
     run(1000)
@@ -439,5 +441,7 @@ def test_new_prompt_lengths_compile_nothing():
     assert before > 0
     for n in (1001, 4093, 8192, 33000, 131072):
         run(n)
+    for heads in (16, 48, 128, 256):  # 2, 6, 16 and 32 layers of 8 KV heads
+        run(8192, heads)
     torch.cuda.synchronize()
     assert compiled() == before

@@ -112,30 +112,3 @@ def compact_request(state, layers: list[tuple[int, object]], scale: float, promp
             state.layers[index] = LayerCompaction(page_counts=counts[i], kept=kept[i])
             if DUMP_DIR:  # kept sets for offline comparison with a reference (GPU checks)
                 torch.save(keep[i].cpu(), os.path.join(DUMP_DIR, f"{state.req_id}.L{index}.pt"))
-
-
-def warm_up(device: torch.device, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-            page_size: int) -> None:
-    """Run every policy's scoring and compaction once on a small prompt, so that the Triton kernels
-    (compiled once per policy and head shape, never per prompt length or layer count) and the torch
-    kernels are ready before the first request instead of inside its prefill."""
-    from kernels.paged_kv import gather_prompt, scatter_kept
-    from vllm_evict.policies import POLICIES
-
-    n = 16 * page_size
-    gen = torch.Generator(device=device).manual_seed(0)
-    keys = torch.randn(n, 2 * num_kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
-    values = torch.randn(n, 2 * num_kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
-    queries = torch.randn(n, 2 * num_q_heads, head_dim, device=device, dtype=dtype, generator=gen)
-    fresh = torch.arange(4, device=device)
-    caches = [torch.zeros(32, num_kv_heads, page_size, 2 * head_dim, device=device, dtype=dtype) for _ in range(2)]
-    gathered = torch.empty(n, 2, num_kv_heads, head_dim, device=device, dtype=dtype)
-    gather_prompt(caches, torch.arange(16, device=device, dtype=torch.int32), n, gathered, gathered)
-    scatter_kept(caches, gathered, gathered, torch.full((2, n, num_kv_heads), -1, device=device))
-    for policy in POLICIES:
-        config = EvictionConfig.from_dict({"policy": policy, "budget": 4 * page_size})
-        window = config.window_size()
-        keep, counts = plan_compaction(config, queries[n - max(window, 1):], keys, values, head_dim ** -0.5,
-                                       page_size, 4, num_layers=2)
-        compaction_slots(keep.view(2, num_kv_heads, n), counts.view(2, num_kv_heads), fresh, page_size)
-    torch.cuda.synchronize(device)

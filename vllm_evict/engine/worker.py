@@ -250,9 +250,7 @@ class WorkerEvictionState:
 
     def compact(self) -> None:
         """After the forward: compact every request whose chunk ended at its eviction point, all layers
-        at once (host ids go to the device without a sync; one timed span per request)."""
-        from vllm_evict.engine.per_head import host_to_device
-
+        at once (one timed span per request)."""
         plan = self.plan
         if plan is None or not plan.compacting or not plan.layer_caches:
             return
@@ -261,8 +259,8 @@ class WorkerEvictionState:
         for row in plan.compacting:
             state = plan.states[row]
             started = self.latency.start(device)
-            compact_request(state, layers, plan.scale, host_to_device(state.prompt_block_ids, device),
-                            host_to_device(state.fresh_blocks, device))
+            with torch.profiler.record_function("vllm_evict.compact"):  # a named range in torch profiles
+                compact_one(state, layers, plan.scale)
             self.latency.stop(state.req_id, started)
 
     def end_step(self) -> None:
@@ -292,18 +290,61 @@ def shift_positions(runner, plan: StepPlan) -> None:
                                                         positions)
 
 
+def compact_one(state: WorkerEviction, layers: list, scale: float) -> None:
+    """compact_request with the request's block ids on the cache's device (pinned copies, no sync)."""
+    from vllm_evict.engine.per_head import host_to_device
+
+    device = layers[0][1].device
+    compact_request(state, layers, scale, host_to_device(state.prompt_block_ids, device),
+                    host_to_device(state.fresh_blocks, device))
+
+
 def warm_up_scoring(runner) -> None:
-    """At engine start (vLLM's kernel warm-up, CUDA only): compile the scoring kernels for this model's
-    head shape, so no request pays a compile (docs/OPERATIONS.md)."""
+    """At engine start (vLLM's kernel warm-up, CUDA only): compile every kernel of the compaction path
+    before the first request (docs/OPERATIONS.md)."""
     if runner.device.type != "cuda":
         return
-    from vllm_evict.engine.compaction import warm_up
+    from vllm_evict.engine.cuda_backend import CudaPagedCache
 
     model, parallel = runner.model_config, runner.parallel_config
+    head_dim = model.get_head_size()
     start = time.perf_counter()
-    warm_up(runner.device, model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel),
-            model.get_head_size(), model.dtype, runner.cache_config.block_size)
+    warm_up(lambda kv_cache: CudaPagedCache(kv_cache, head_dim, "auto", None, None), runner.device,
+            model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel), head_dim,
+            model.dtype, runner.cache_config.block_size)  # the "auto" cache dtype (fp8 caches: issue 21)
     logger.info("vllm-evict: scoring kernels ready in %.1f s", time.perf_counter() - start)
+
+
+def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: int, head_dim: int,
+            dtype: torch.dtype, page: int) -> list[WorkerEviction]:
+    """Run the engine's compaction path (compact_one) for every policy and allocation once on a short
+    prompt in two scratch layers of this head shape (make_cache: the backend's paged-cache adapter of a
+    [blocks, H_kv, page, 2*D] cache), so that every kernel is compiled with the argument types the engine
+    passes (none specialises on the prompt length or the layer count). Returns the compacted states."""
+    from vllm_evict.policies import ALLOCATIONS, POLICIES
+    from vllm_evict.policies.config import EvictionConfig
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    n, num_blocks = 16 * page, 24
+    layers = [(i, make_cache(torch.randn(num_blocks, num_kv_heads, page, 2 * head_dim, generator=gen,
+                                         device=device).to(dtype))) for i in range(2)]
+    states = []
+    for policy in POLICIES:
+        for allocation in ALLOCATIONS:
+            config = EvictionConfig.from_dict({"policy": policy, "budget": 4 * page, "allocation": allocation})
+            spec, window = RequestEviction(config), config.window_size()
+            pages = spec.pages_per_head(n, page)
+            state = WorkerEviction(req_id="warm-up", spec=spec, evict_at=n, pages=pages, window=window,
+                                   page_size=page, prompt_block_ids=list(range(16)),
+                                   fresh_blocks=list(range(16, 16 + pages)))
+            if window:
+                state.q_window = {i: torch.randn(window, num_q_heads, head_dim, generator=gen, device=device)
+                                  .to(dtype) for i, _ in layers}
+            compact_one(state, layers, head_dim ** -0.5)
+            states.append(state)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return states
 
 
 class CompactionTimer:
