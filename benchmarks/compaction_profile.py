@@ -22,7 +22,7 @@ LAYERS, H, G, D, N = 32, 8, 4, 128, 16
 
 
 def setup(policy: str, n: int, precision: str, allocation: str):
-    from kernels.window_scores import WindowScoreConfig, window_scores
+    from vllm_evict.kernels.window_scores import WindowScoreConfig, window_scores
     from vllm_evict.engine.cuda_backend import CudaPagedCache
     from vllm_evict.engine.request_config import RequestEviction
     from vllm_evict.engine.worker import WorkerEviction

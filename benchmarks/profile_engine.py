@@ -187,8 +187,8 @@ def timeline(trace_path: Path) -> dict:
     span means the GPU waited for the host to launch the compaction work."""
     events = json.loads(trace_path.read_text())["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    launches = {e["args"]["correlation"]: e["ts"] for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    launches = {e["args"]["correlation"]: e["ts"] for e in events  # Triton launches via the driver API
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ranges = [e for e in events if e.get("name") == "vllm_evict.compact" and e.get("ph") == "X"
               and e.get("cat") == "user_annotation"]
     rows = []

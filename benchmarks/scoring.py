@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import window_scores as ws  # noqa: E402
-from kernels.window_scores_naive import naive_torch_scores  # noqa: E402
+from vllm_evict.kernels import window_scores as ws  # noqa: E402
+from vllm_evict.kernels.window_scores_naive import naive_torch_scores  # noqa: E402
 from vllm_evict.policies import reference_raw_window_scores as window_scores_reference  # noqa: E402
 
 

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from kernels.window_scores import POLICIES
+from vllm_evict.kernels.window_scores import POLICIES
 
 EPS = 1e-6
 WINDOW_POLICIES = tuple(POLICIES)  # the policies the kernels implement

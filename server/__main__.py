@@ -1,5 +1,5 @@
-"""`python -m server ...` == `vllm-evict serve ...`."""
+"""`python -m vllm_evict.server ...` == `vllm-evict serve ...`."""
 
-from server.cli import main
+from vllm_evict.server.cli import main
 
 raise SystemExit(main())

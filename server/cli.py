@@ -54,7 +54,7 @@ def build_parser():
 
 def eviction_defaults(args: argparse.Namespace) -> dict:
     """The validated `--default-eviction-*` fields (ValueError naming the flag)."""
-    from server.eviction import build_defaults, validate_defaults
+    from vllm_evict.server.eviction import build_defaults, validate_defaults
 
     try:
         defaults = build_defaults(args.default_eviction_policy, args.default_eviction_budget,

@@ -124,7 +124,7 @@ def _jsonable(x: Any) -> Any:
 
 
 def _mean(x: Any) -> float | None:
-    from server.metrics import _num
+    from vllm_evict.server.metrics import _num
 
     return _num(x)
 

@@ -1,5 +1,6 @@
 """Repository contracts: CI runs README's test command; the vLLM version check refuses other versions."""
 
+import os
 import re
 from pathlib import Path
 
@@ -43,3 +44,18 @@ def test_setup_pins_the_supported_version():
 
     assert f"VLLM_VERSION={SUPPORTED_VLLM_VERSION}" in (ROOT / "scripts/setup.sh").read_text()
     assert f'"vllm=={SUPPORTED_VLLM_VERSION}"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_kernels_and_server_install_under_the_package_namespace(tmp_path):
+    """kernels/ and server/ import as vllm_evict.kernels / vllm_evict.server from the installed package
+    (pyproject package-dir), and install no generic top-level `kernels` or `server` (issue 20: HF's
+    `kernels` distribution uses that name). Run outside the checkout, so the source tree is not on the path."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.util as u, vllm_evict.kernels.window_scores, vllm_evict.server.metrics\n"
+            "print(u.find_spec('kernels'), u.find_spec('server'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["None", "None"]

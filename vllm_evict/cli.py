@@ -8,9 +8,9 @@ import sys
 
 # subcommand -> module exposing `register(subparsers)`; each registers a parser with `func=` set
 SUBCOMMAND_MODULES = (
-    "server.cli",                 # serve
-    "vllm_evict.bench.eval_cli",  # eval
-    "vllm_evict.models",          # prepare-model
+    "vllm_evict.server.cli",           # serve
+    "vllm_evict.bench.eval_cli",       # eval
+    "vllm_evict.models",               # prepare-model
     "vllm_evict.testing.tiny_models",  # make-tiny
 )
 
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # every `vllm serve` flag: parsed by vLLM's own parser (server/cli.py)
-        from server.cli import serve
+        from vllm_evict.server.cli import serve
 
         return serve(argv[1:])
     args = build_parser().parse_args(argv)

@@ -46,7 +46,7 @@ def exported_families() -> dict[str, str]:
     global registry, the one vLLM's /metrics serves with one API server process)."""
     from prometheus_client import REGISTRY
 
-    from server.metrics import PREFIX, get_metrics
+    from vllm_evict.server.metrics import PREFIX, get_metrics
 
     get_metrics()
     return {fam.name: fam.type for fam in REGISTRY.collect() if fam.name.startswith(PREFIX)}
@@ -293,7 +293,7 @@ def test_entrypoints_parse_the_documented_arguments():
     pytest.importorskip("vllm")
     import tomllib
 
-    from server.cli import build_parser, eviction_defaults
+    from vllm_evict.server.cli import build_parser, eviction_defaults
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["vllm-evict"] == "vllm_evict.cli:main"
@@ -537,7 +537,7 @@ def test_vllm_families_exist():
 
 def test_dashboard_names_only_exported_metrics():
     families = exported_families()
-    from server.metrics import METRIC_NAMES
+    from vllm_evict.server.metrics import METRIC_NAMES
 
     assert set(families) == set(METRIC_NAMES), "server.metrics.METRIC_NAMES and the registry disagree"
     allowed = sample_names({**families, **VLLM_FAMILIES})

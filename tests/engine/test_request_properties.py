@@ -69,7 +69,7 @@ def test_valid_requests_round_trip(policy, budget, allocation, evict_at):
 def test_server_field_is_a_field_error_or_what_the_engine_reads(obj):
     """The OpenAI request's `eviction` field (server/eviction.py): an EvictionFieldError (a 400) or a
     config whose extra_args the engine parses to the same request."""
-    from server.eviction import EvictionFieldError, resolve, to_extra_args
+    from vllm_evict.server.eviction import EvictionFieldError, resolve, to_extra_args
 
     try:
         cfg = resolve(obj, {})

@@ -15,7 +15,7 @@ from tests.kernels.interpreter import check_in_interpreter
 
 
 def check(device: str, seed: int, dtype=torch.float32) -> None:
-    from kernels.paged_kv import gather_prompt, gather_prompt_reference, scatter_kept, scatter_kept_reference
+    from vllm_evict.kernels.paged_kv import gather_prompt, gather_prompt_reference, scatter_kept, scatter_kept_reference
 
     gen = torch.Generator().manual_seed(seed)
     for num_layers, H, page, D, n in [(3, 2, 16, 32, 70), (1, 4, 16, 64, 16), (5, 1, 8, 16, 33)]:
@@ -51,7 +51,7 @@ def check(device: str, seed: int, dtype=torch.float32) -> None:
 
 def test_reference_by_hand():
     """The references on a hand-made cache: token t of head h in block b at ((b*H + h)*page + t%page)*2D."""
-    from kernels.paged_kv import gather_prompt_reference, scatter_kept_reference
+    from vllm_evict.kernels.paged_kv import gather_prompt_reference, scatter_kept_reference
 
     H, page, D = 2, 2, 1
     cache = torch.arange(4 * H * page * 2 * D, dtype=torch.float32).view(4, H, page, 2 * D)

@@ -41,7 +41,7 @@ def random_batch(gen: torch.Generator, num_rows: int, num_heads: int, query_len:
 
 
 def check(device: str, seed: int) -> None:
-    from kernels.per_head_tables import decode_tables, decode_tables_reference
+    from vllm_evict.kernels.per_head_tables import decode_tables, decode_tables_reference
 
     gen = torch.Generator().manual_seed(seed)
     for num_rows, num_heads, query_len in [(7, 3, 1), (5, 8, 3), (1, 2, 1)]:
@@ -62,7 +62,7 @@ def check(device: str, seed: int) -> None:
 
 def test_reference_rule_by_hand():
     """The reference on one hand-written row: P = 2, H = 2, head 0 keeps 3 pages, head 1 keeps 1."""
-    from kernels.per_head_tables import decode_tables_reference
+    from vllm_evict.kernels.per_head_tables import decode_tables_reference
 
     block_table = torch.tensor([[10, 11, 12, 13]], dtype=torch.int32)
     seq_lens = torch.tensor([2 * PAGE + 5], dtype=torch.int32)  # P*page + 5 decoded tokens

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.window_scores_naive import WINDOW_POLICIES, naive_torch_scores
+from vllm_evict.kernels.window_scores_naive import WINDOW_POLICIES, naive_torch_scores
 from vllm_evict.policies import reference_raw_window_scores as window_scores_reference
 
 REPO = Path(__file__).resolve().parents[2]
@@ -173,7 +173,7 @@ def test_naive_matches_reference_fp32_cpu():
 
 
 def test_module_imports_without_gpu():
-    import kernels.window_scores as ws
+    import vllm_evict.kernels.window_scores as ws
 
     assert set(ws.POLICIES) == set(WINDOW_POLICIES)
 
@@ -186,8 +186,8 @@ _INTERP_SCRIPT = textwrap.dedent(
     import os, sys, torch
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, sys.argv[1])
-    from kernels.window_scores import window_scores, window_scores_batched, WindowScoreConfig
-    from kernels.window_scores_naive import WINDOW_POLICIES
+    from vllm_evict.kernels.window_scores import window_scores, window_scores_batched, WindowScoreConfig
+    from vllm_evict.kernels.window_scores_naive import WINDOW_POLICIES
     from vllm_evict.policies import reference_raw_window_scores as window_scores_reference
     g = torch.Generator().manual_seed(1234)
     bad = []
@@ -257,7 +257,7 @@ def _seed(*parts) -> int:
 
 
 def _run_poisoned(policy, q, k, v, *, gqa="mean", config=None):
-    from kernels.window_scores import window_scores_batched
+    from vllm_evict.kernels.window_scores import window_scores_batched
 
     batched = q.dim() == 4
     qb, kb, vb = (q, k, v) if batched else (q[None], k[None], v[None])
@@ -313,7 +313,7 @@ def test_kernel_vs_reference(policy, n, D, gqa):
 @pytest.mark.parametrize("policy", ["dropkv", "obcache-key", "obcache-joint"])
 @pytest.mark.parametrize("n", [1000, 8192])
 def test_kernel_bf16x3_precision_option(policy, n):
-    from kernels.window_scores import WindowScoreConfig
+    from vllm_evict.kernels.window_scores import WindowScoreConfig
 
     _check_policy(policy, n, 128, "mean", config=WindowScoreConfig(precision="bf16x3"))
 
@@ -370,7 +370,7 @@ def test_kernel_example_a(policy):
 @pytest.mark.gpu
 @gpu
 def test_kernel_public_api_and_determinism():
-    from kernels.window_scores import window_scores
+    from vllm_evict.kernels.window_scores import window_scores
 
     q, k, v = make_inputs(8192, 8, 32, 8, 128, seed=_seed("det"))
     r1 = window_scores("dropkv", q, k, v)
@@ -423,7 +423,7 @@ def test_new_prompt_lengths_compile_nothing():
     every other number of KV heads (the engine folds a group of layers into the head axis, and the group
     size depends on the prompt length) runs on the kernels already compiled (issue 14: no per-length
     recompiles)."""
-    from kernels import window_scores as ws
+    from vllm_evict.kernels import window_scores as ws
 
     kernels = (ws._window_fwd_kernel, ws._splitk_merge_kernel, ws._window_score_kernel)
 

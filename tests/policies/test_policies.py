@@ -296,7 +296,7 @@ def test_overflowing_score_is_not_protected():
 def test_kernel_support_is_declared_by_the_registry():
     """`has_kernel` on a registry entry is what routes a policy to the Triton kernel on CUDA: it must name
     exactly the policies the kernel implements (a policy without it runs the torch reference)."""
-    from kernels.window_scores import POLICIES as KERNEL_POLICIES
+    from vllm_evict.kernels.window_scores import POLICIES as KERNEL_POLICIES
 
     assert {name for name, policy in POLICIES.items() if policy.has_kernel} == set(KERNEL_POLICIES)
     assert all(POLICIES[name].window_raw for name in KERNEL_POLICIES)

@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 
 
 def configured(*argv):
-    from server.cli import build_parser, configure
+    from vllm_evict.server.cli import build_parser, configure
 
     parser = build_parser()
     args = parser.parse_args(list(argv))
@@ -57,7 +57,7 @@ def test_explicit_compatible_flags_win(tmp_path, monkeypatch):
 
 
 def test_no_model_serves_tiny_model(tiny_llama):
-    from server.cli import TINY_MODEL_NAME
+    from vllm_evict.server.cli import TINY_MODEL_NAME
 
     args = configured()
     assert args.model_tag == str(tiny_llama) and args.served_model_name == [TINY_MODEL_NAME]
@@ -81,14 +81,14 @@ def test_incompatible_flags_are_refused(tmp_path, flags, message):
     ["--api-server-count", "2"],
 ])
 def test_bad_flags_exit_2_before_starting(tmp_path, flags, capsys):
-    from server.cli import serve
+    from vllm_evict.server.cli import serve
 
     assert serve([str(tmp_path), *flags]) == 2
     assert "vllm-evict serve:" in capsys.readouterr().err
 
 
 def test_budget_parsing():
-    from server.eviction import build_defaults, parse_budget
+    from vllm_evict.server.eviction import build_defaults, parse_budget
 
     assert parse_budget("0.1") == 0.1 and parse_budget("2048") == 2048 and isinstance(parse_budget("2048"), int)
     assert build_defaults("snapkv", "64", None) == {"policy": "snapkv", "budget": 64}

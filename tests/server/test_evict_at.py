@@ -2,7 +2,7 @@
 
 import pytest
 
-from server.eviction import EvictionFieldError, resolve, to_extra_args
+from vllm_evict.server.eviction import EvictionFieldError, resolve, to_extra_args
 
 
 def test_evict_at_reaches_extra_args():

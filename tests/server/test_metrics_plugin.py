@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, generate_latest
 
-from server import metrics as M
+from vllm_evict.server import metrics as M
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUP = "vllm.stat_logger_plugins"
@@ -57,17 +57,17 @@ def test_entry_point_declared_in_pyproject_resolves_to_the_class():
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     value = project["entry-points"][GROUP]["vllm_evict"]
-    assert value == "server.metrics:EvictStatLogger"
+    assert value == "vllm_evict.server.metrics:EvictStatLogger"
     cls = EntryPoint("vllm_evict", value, GROUP).load()
     assert cls is M.EvictStatLogger
     assert isinstance(cls, type) and issubclass(cls, StatLoggerBase)  # what vLLM 0.26 requires of the value
-    assert cls.__module__ == "server.metrics" and cls.__qualname__ == "EvictStatLogger"
+    assert cls.__module__ == "vllm_evict.server.metrics" and cls.__qualname__ == "EvictStatLogger"
 
 
 def test_installed_entry_point_is_what_vllm_loads(monkeypatch):
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     installed = {ep.name: ep.value for ep in entry_points(group=GROUP)}
-    assert installed.get("vllm_evict") == "server.metrics:EvictStatLogger", (
+    assert installed.get("vllm_evict") == "vllm_evict.server.metrics:EvictStatLogger", (
         f"installed metadata lacks the stat-logger entry point ({installed}); reinstall (pip install --no-deps "
         f"-e .) and refresh or delete a stale ./vllm_evict.egg-info, which shadows the installed metadata "
         f"when the repo root is on sys.path")

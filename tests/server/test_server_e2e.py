@@ -25,7 +25,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from server.metrics import METRIC_NAMES  # noqa: E402
+from vllm_evict.server.metrics import METRIC_NAMES  # noqa: E402
 
 API_KEY = "test-secret"
 MODEL = "tiny-llama"

@@ -17,7 +17,7 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, reshape_and_cache_flash
 
-from kernels.paged_kv import gather_prompt, scatter_kept
+from vllm_evict.kernels.paged_kv import gather_prompt, scatter_kept
 from vllm_evict.engine.attention import EvictionAttentionMixin
 from vllm_evict.engine.per_head import DecodeGraphTables
 from vllm_evict.engine.worker import STATE

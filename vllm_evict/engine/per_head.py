@@ -232,7 +232,7 @@ class DecodeGraphTables:
 
     def layer(self, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor):
         """(pages [R*H, max_pages], lens [R*H], slots [R*H]) of one layer for the R rows of seq_lens."""
-        from kernels.per_head_tables import decode_tables
+        from vllm_evict.kernels.per_head_tables import decode_tables
 
         num_rows, heads = seq_lens.shape[0], self.num_heads
         pages = self.pages[: num_rows * heads * self.max_pages].view(num_rows, heads, self.max_pages)

@@ -43,7 +43,7 @@ def register() -> None:
 
 def _install_triton_scoring() -> None:
     """Query-based raw scores on CUDA go through the fused Triton kernels (kernels/window_scores.py)."""
-    from kernels.window_scores import has_triton, window_scores
+    from vllm_evict.kernels.window_scores import has_triton, window_scores
 
     from vllm_evict.policies import register_raw_kernel
 

@@ -48,7 +48,7 @@ def request_fields(request) -> dict[str, Any] | None:
 
 def resolve_request(request):
     """The request's resolved eviction config (None: no eviction); ValueError for bad values."""
-    from server.eviction import resolve
+    from vllm_evict.server.eviction import resolve
 
     return resolve(request_fields(request), server_defaults())
 
@@ -62,7 +62,7 @@ def _with_eviction_field(to_sampling_params):
             config = resolve_request(self)
         except ValueError as exc:
             raise VLLMValidationError(str(exc), parameter="eviction") from None
-        from server.eviction import to_extra_args
+        from vllm_evict.server.eviction import to_extra_args
 
         extra_args = {k: v for k, v in (params.extra_args or {}).items() if not k.startswith("eviction_")}
         params.extra_args = {**extra_args, **to_extra_args(config)}
@@ -77,7 +77,7 @@ def _attach_reports(make_request_output):
         report = kv_transfer_params.get(EXTRA_ARGS_KEY) if isinstance(kv_transfer_params, dict) else None
         if report is not None:  # on the output of the step that finished compaction, and on the last one
             if getattr(self, EVICTION_ATTR, None) is None:
-                from server import metrics
+                from vllm_evict.server import metrics
 
                 metrics.observe_eviction(report)  # once per request, even if it is aborted later
             setattr(self, EVICTION_ATTR, report)
@@ -125,7 +125,7 @@ class _Reports:
             yield item
 
     def usage(self, request, num_prompts: int = 1) -> dict[str, Any]:
-        from server.eviction import usage_block
+        from vllm_evict.server.eviction import usage_block
 
         num_sequences = num_prompts * (request.n or 1)
         reports = []
