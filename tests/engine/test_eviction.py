@@ -217,3 +217,26 @@ def test_invalid_eviction_fails_the_request_not_the_engine(engine, bad):
     # the engine keeps serving
     out = engine.generate([{"prompt_token_ids": prompt}], params(None, max_tokens=4))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_unreadable_eviction_that_bypasses_the_api_fails_that_request(engine):
+    """A request whose eviction settings the engine cannot read (a client that skips the API process's
+    resolution) ends with finish reason "error"; it never runs without eviction, and the engine keeps
+    serving the other requests."""
+    llm_engine = engine.llm_engine
+    request = llm_engine.input_processor.process_inputs(
+        "unreadable", {"prompt_token_ids": random_prompt(10, 100)}, params(None, max_tokens=4),
+        supported_tasks=llm_engine.get_supported_tasks())
+    request.sampling_params.extra_args = {"vllm_evict": {"policy": "nope", "budget": 0.1}}
+    llm_engine.add_request(request.request_id, request, request.params)
+    llm_engine.add_request("plain", {"prompt_token_ids": random_prompt(11, 100)}, params(None, max_tokens=4))
+    finished = {}
+    while llm_engine.has_unfinished_requests():
+        for out in llm_engine.step():
+            if out.finished:
+                finished[out.request_id.split("-")[0]] = out
+    assert finished["unreadable"].outputs[0].finish_reason == "error"
+    assert finished["unreadable"].outputs[0].token_ids == []
+    assert len(finished["plain"].outputs[0].token_ids) == 4
+    scheduler = llm_engine.engine_core.engine_core.scheduler
+    assert not scheduler.evictions and not scheduler.requests and not scheduler.rejected

@@ -1,7 +1,9 @@
-"""A request's eviction parameters as both the scheduler and the worker read them.
+"""A request's eviction parameters as the API process resolves them and the engine reads them.
 
-Both processes derive everything (eviction point E, pages per head P) from the request alone, so the
-scheduler never waits for a report from the worker.
+The API process resolves a request once (`resolve_request`, canonical nested form in
+`extra_args["vllm_evict"]`). The scheduler parses it when the request arrives, derives the eviction point
+E and the pages per head P once, and hands both to the workers with the request (`extra_args[PLAN_KEY]`),
+so the workers never derive them again and the scheduler never waits for a report from a worker.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from vllm_evict.policies import EvictionConfig
 from vllm_evict.policies.config import parse_int_field
 
 EXTRA_ARGS_KEY = "vllm_evict"
+# Written by the scheduler for the workers: [E, P] of a request that evicts (absent: it evicts nothing).
+PLAN_KEY = "vllm_evict_plan"
 # Engine-level default for requests that say nothing (e.g. `{"policy": "snapkv", "budget": 0.2}` as JSON).
 DEFAULT_ENV = "VLLM_EVICT_DEFAULT"
 
@@ -30,10 +34,6 @@ class RequestEviction:
         if self.evict_at is None:
             return num_prompt_tokens
         return min(self.evict_at, num_prompt_tokens)
-
-    def pages_per_head(self, num_prompt_tokens: int, page_size: int) -> int | None:
-        """P, or None when this request evicts nothing."""
-        return self.config.num_pages(self.eviction_point(num_prompt_tokens), page_size)
 
     def to_dict(self) -> dict[str, Any]:
         """The nested request form (`_from_mapping(to_dict())` == self)."""
@@ -99,17 +99,3 @@ def resolve_request(extra_args: Mapping[str, Any] | None) -> dict[str, Any] | No
     out = {k: v for k, v in (extra_args or {}).items() if not str(k).startswith("eviction_") and k != EXTRA_ARGS_KEY}
     out[EXTRA_ARGS_KEY] = {"policy": "none"} if spec is None else spec.to_dict()
     return out
-
-
-def parse_request_or_none(extra_args: Mapping[str, Any] | None) -> RequestEviction | None:
-    """parse_request for the engine core and the workers, which must not raise: the API process already
-    resolved and validated the request (plugin.py), so a failure here is a bug, logged, and the request
-    runs without eviction."""
-    try:
-        return parse_request(extra_args)
-    except ValueError as exc:
-        from vllm.logger import init_logger
-
-        init_logger(__name__).error("vllm-evict: unreadable eviction parameters reached the engine (%s); "
-                                    "the request runs without eviction", exc)
-        return None

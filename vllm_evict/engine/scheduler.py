@@ -28,9 +28,11 @@ from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.request import RequestStatus
 
-from vllm_evict.engine.request_config import EXTRA_ARGS_KEY, RequestEviction, parse_request_or_none
+from vllm_evict.engine.request_config import EXTRA_ARGS_KEY, PLAN_KEY, RequestEviction, parse_request
 from vllm_evict.engine.worker import LATENCY_ATTR
 
 logger = init_logger(__name__)
@@ -134,6 +136,7 @@ class _EvictionSchedulerMixin:
         if not self.eviction_enabled:
             logger.warning("vllm-evict: eviction disabled (needs one full-attention KV cache group)")
         self.evictions: dict[str, SchedulerEviction] = {}
+        self.rejected: list = []  # unreadable eviction settings: finished with an error, output pending
         manager = self.kv_cache_manager
         manager.__class__ = EvictionKVCacheManager
         manager.evictions = self.evictions
@@ -147,13 +150,20 @@ class _EvictionSchedulerMixin:
         super().add_request(request)
         if not self.eviction_enabled or request.sampling_params is None:
             return
-        spec = parse_request_or_none(request.sampling_params.extra_args)
+        try:
+            spec = parse_request(request.sampling_params.extra_args)
+        except ValueError as exc:  # the API process validates; only a client that bypasses it gets here
+            logger.error("vllm-evict: request %s rejected: %s", request.request_id, exc)
+            self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+            self.rejected.append(request)
+            return
         if spec is None:
             return
         evict_at = spec.eviction_point(request.num_prompt_tokens)
         pages = spec.config.num_pages(evict_at, self.block_size)
         if pages is None:
             return
+        request.sampling_params.extra_args[PLAN_KEY] = [evict_at, pages]  # the workers' E and P
         self.evictions[request.request_id] = SchedulerEviction(
             request=spec, evict_at=evict_at, pages=pages, window=spec.config.window_size(),
             prompt_tokens=request.num_prompt_tokens)
@@ -193,7 +203,19 @@ class _EvictionSchedulerMixin:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if ready:
             self._send_reports(ready, outputs)
+        if self.rejected:
+            self._send_rejections(outputs)
         return outputs
+
+    def _send_rejections(self, outputs) -> None:
+        """The final output (finish reason "error") of each rejected request, as vLLM sends it for a
+        request whose grammar failed to compile."""
+        for request in self.rejected:
+            output = EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                                      finish_reason=request.get_finished_reason(), events=request.take_events(),
+                                      trace_headers=request.trace_headers)
+            outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(output)
+        self.rejected.clear()
 
     def _send_reports(self, req_ids, outputs) -> None:
         """The report of a finished compaction, on the request's output of this step: the API process

@@ -50,6 +50,8 @@ SURFACE: dict[str, dict[str, str]] = {
         _SCHEDULER + "_preempt_request": "self, request, timestamp",
         _SCHEDULER + "_update_after_schedule": "self, scheduler_output",
         _SCHEDULER + "update_from_output": "self, scheduler_output, model_runner_output",
+        # called: a request whose eviction the engine cannot read ends with FINISHED_ERROR
+        _SCHEDULER + "finish_requests": "self, request_ids, finished_status",
     },
     "serving": {  # serving.py: hooks into vLLM's OpenAI server (API process only)
         "vllm.entrypoints.openai.chat_completion.protocol:ChatCompletionRequest.to_sampling_params":

@@ -26,7 +26,7 @@ from vllm.forward_context import BatchDescriptor, get_forward_context, is_forwar
 from vllm.logger import init_logger
 
 from vllm_evict.engine.compaction import LayerCompaction, compact_request
-from vllm_evict.engine.request_config import RequestEviction, parse_request_or_none
+from vllm_evict.engine.request_config import PLAN_KEY, RequestEviction, parse_request
 
 logger = init_logger(__name__)
 
@@ -145,15 +145,12 @@ class WorkerEvictionState:
 
     def _new_state(self, runner, req_id: str) -> WorkerEviction | None:
         req = runner.requests.get(req_id)
-        spec = parse_request_or_none(req.sampling_params.extra_args if req and req.sampling_params else None)
-        if spec is None:
+        extra_args = (req.sampling_params.extra_args if req and req.sampling_params else None) or {}
+        if PLAN_KEY not in extra_args:  # the scheduler found nothing to evict
             return None
+        evict_at, pages = extra_args[PLAN_KEY]
+        spec = parse_request(extra_args)  # the scheduler read it, so it is readable
         page_size = runner.cache_config.block_size
-        num_prompt = req.num_prompt_tokens
-        pages = spec.pages_per_head(num_prompt, page_size)
-        if pages is None:
-            return None
-        evict_at = spec.eviction_point(num_prompt)
         return WorkerEviction(req_id=req_id, spec=spec, evict_at=evict_at, pages=pages,
                               window=spec.config.window_size(), page_size=page_size,
                               prompt_blocks=-(-evict_at // page_size))
@@ -333,7 +330,7 @@ def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: in
         for allocation in ALLOCATIONS:
             config = EvictionConfig.from_dict({"policy": policy, "budget": 4 * page, "allocation": allocation})
             spec, window = RequestEviction(config), config.window_size()
-            pages = spec.pages_per_head(n, page)
+            pages = config.num_pages(n, page)
             state = WorkerEviction(req_id="warm-up", spec=spec, evict_at=n, pages=pages, window=window,
                                    page_size=page, prompt_block_ids=list(range(16)),
                                    fresh_blocks=list(range(16, 16 + pages)))
