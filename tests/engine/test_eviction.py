@@ -239,4 +239,34 @@ def test_unreadable_eviction_that_bypasses_the_api_fails_that_request(engine):
     assert finished["unreadable"].outputs[0].token_ids == []
     assert len(finished["plain"].outputs[0].token_ids) == 4
     scheduler = llm_engine.engine_core.engine_core.scheduler
-    assert not scheduler.evictions and not scheduler.requests and not scheduler.rejected
+    assert not scheduler.evictions and not scheduler.requests and not scheduler.failed
+
+
+def test_a_compaction_that_raises_fails_only_its_request(engine, reference, monkeypatch):
+    """Fault injection: a policy whose scoring raises inside the worker. That request ends with finish reason
+    "error"; the evicting and plain requests of the same batch finish as the reference says, and every
+    block returns to the pool."""
+    from vllm_evict.policies import POLICIES, EvictionConfig
+    from vllm_evict.policies.base import WindowPolicy
+
+    class Broken(WindowPolicy):
+        name = "toy-broken"
+        default_window = 8
+
+        def head_raw(self, st):
+            raise RuntimeError("injected scoring failure")
+
+    monkeypatch.setitem(POLICIES, Broken.name, Broken())
+    scheduler = engine.llm_engine.engine_core.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    idle_free = pool.get_num_free_blocks()
+    good = {"policy": "snapkv", "budget": 0.25}
+    prompts = [random_prompt(20 + i, 300) for i in range(3)]
+    outs = engine.generate([{"prompt_token_ids": p} for p in prompts],
+                           [params({"policy": "toy-broken", "budget": 0.25}), params(good), params(None)])
+    assert outs[0].outputs[0].finish_reason == "error"
+    check_against_reference(outs[1], reference.generate(prompts[1], MAX_TOKENS, EvictionConfig.from_dict(good),
+                                                        page_size=PAGE), str(good))
+    assert len(outs[2].outputs[0].token_ids) == MAX_TOKENS
+    assert not scheduler.evictions and not scheduler.requests and not scheduler.failed
+    assert pool.get_num_free_blocks() == idle_free

@@ -33,7 +33,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import RequestStatus
 
 from vllm_evict.engine.request_config import EXTRA_ARGS_KEY, PLAN_KEY, RequestEviction, parse_request
-from vllm_evict.engine.worker import LATENCY_ATTR
+from vllm_evict.engine.worker import FAILED_ATTR, LATENCY_ATTR
 
 logger = init_logger(__name__)
 
@@ -136,7 +136,7 @@ class _EvictionSchedulerMixin:
         if not self.eviction_enabled:
             logger.warning("vllm-evict: eviction disabled (needs one full-attention KV cache group)")
         self.evictions: dict[str, SchedulerEviction] = {}
-        self.rejected: list = []  # unreadable eviction settings: finished with an error, output pending
+        self.failed: list = []  # finished with an error (unreadable settings, failed compaction), output pending
         manager = self.kv_cache_manager
         manager.__class__ = EvictionKVCacheManager
         manager.evictions = self.evictions
@@ -154,8 +154,7 @@ class _EvictionSchedulerMixin:
             spec = parse_request(request.sampling_params.extra_args)
         except ValueError as exc:  # the API process validates; only a client that bypasses it gets here
             logger.error("vllm-evict: request %s rejected: %s", request.request_id, exc)
-            self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
-            self.rejected.append(request)
+            self._fail(request)
             return
         if spec is None:
             return
@@ -203,19 +202,28 @@ class _EvictionSchedulerMixin:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if ready:
             self._send_reports(ready, outputs)
-        if self.rejected:
-            self._send_rejections(outputs)
+        for req_id, reason in (getattr(model_runner_output, FAILED_ATTR, None) or {}).items():
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished():  # its KV is not usable any more
+                logger.error("vllm-evict: request %s ends with an error: its compaction failed (%s)", req_id, reason)
+                self._fail(request)
+        if self.failed:
+            self._send_failures(outputs)
         return outputs
 
-    def _send_rejections(self, outputs) -> None:
-        """The final output (finish reason "error") of each rejected request, as vLLM sends it for a
-        request whose grammar failed to compile."""
-        for request in self.rejected:
+    def _fail(self, request) -> None:
+        self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+        self.failed.append(request)
+
+    def _send_failures(self, outputs) -> None:
+        """The final output (finish reason "error") of each failed request, as vLLM sends it for a request
+        whose grammar failed to compile; the OpenAI server answers it with an internal-error response."""
+        for request in self.failed:
             output = EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
                                       finish_reason=request.get_finished_reason(), events=request.take_events(),
                                       trace_headers=request.trace_headers)
             outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(output)
-        self.rejected.clear()
+        self.failed.clear()
 
     def _send_reports(self, req_ids, outputs) -> None:
         """The report of a finished compaction, on the request's output of this step: the API process

@@ -47,12 +47,14 @@ class WorkerEviction:
     prompt_block_ids: list[int] = field(default_factory=list)  # the prompt blocks (set for the compaction step)
     fresh_blocks: list[int] = field(default_factory=list)  # the P fresh block ids (set for the compaction step)
     serial: int = field(default_factory=itertools.count().__next__)  # unique per eviction (cache keys)
+    failed: bool = False                # its compaction raised: it runs as stock until the scheduler ends it
 
     @property
     def stock_layout(self) -> bool:
         """Uniform allocation lays the kept pages out exactly like vLLM (compaction.py): after compaction
-        the request is a stock request whose positions are shifted by `shift`."""
-        return self.spec.config.allocation == "uniform"
+        the request is a stock request whose positions are shifted by `shift`. So does a failed compaction
+        (no per-head layout to read) until the scheduler finishes the request with an error."""
+        return self.failed or self.spec.config.allocation == "uniform"
 
     @property
     def shift(self) -> int:
@@ -116,32 +118,32 @@ class WorkerEvictionState:
         self.pending_strip: dict[str, WorkerEviction] = {}
         self.plan: StepPlan | None = None
         self.latency = CompactionTimer()
+        self.failed: dict[str, str] = {}         # request id -> why its compaction failed (not yet sent)
         self.step_cache: dict = {}               # per_head's cross-step cache (StepPlan.cache)
         self.capturing_per_head = False          # capturing a PerHeadDecodeBatch graph
 
     def attach_report(self, output):
-        """Send compaction latencies to the scheduler on a ModelRunnerOutput (an attribute survives
-        the pickling between worker and engine core). vLLM's shared empty output is never touched."""
+        """Send compaction latencies and failures to the scheduler on a ModelRunnerOutput (attributes
+        survive the pickling between worker and engine core). vLLM's shared empty output is never touched."""
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-        if output is None or output is EMPTY_MODEL_RUNNER_OUTPUT or not self.latency.pending:
+        if output is None or output is EMPTY_MODEL_RUNNER_OUTPUT or not (self.latency.pending or self.failed):
             return output
-        if hasattr(output, "get_output"):  # async scheduling: the real output is built later
-            get_output = output.get_output
 
-            def get_output_with_report():
-                real = get_output()
-                latency = self.latency.collect()
-                if latency:
-                    setattr(real, LATENCY_ATTR, latency)
-                return real
-
-            output.get_output = get_output_with_report
-        else:
+        def annotate(real):
             latency = self.latency.collect()
             if latency:
-                setattr(output, LATENCY_ATTR, latency)
-        return output
+                setattr(real, LATENCY_ATTR, latency)
+            if self.failed:
+                setattr(real, FAILED_ATTR, self.failed)
+                self.failed = {}
+            return real
+
+        if hasattr(output, "get_output"):  # async scheduling: the real output is built later
+            get_output = output.get_output
+            output.get_output = lambda: annotate(get_output())
+            return output
+        return annotate(output)
 
     def _new_state(self, runner, req_id: str) -> WorkerEviction | None:
         req = runner.requests.get(req_id)
@@ -256,8 +258,13 @@ class WorkerEvictionState:
         for row in plan.compacting:
             state = plan.states[row]
             started = self.latency.start(device)
-            with torch.profiler.record_function("vllm_evict.compact"):  # a named range in torch profiles
-                compact_one(state, layers, plan.scale)
+            try:
+                with torch.profiler.record_function("vllm_evict.compact"):  # a named range in torch profiles
+                    compact_one(state, layers, plan.scale)
+            except Exception as exc:  # one request's failure must not take the batch or the engine down
+                logger.exception("vllm-evict: compaction of request %s failed", state.req_id)
+                state.failed = True
+                self.failed[state.req_id] = f"{type(exc).__name__}: {exc}"
             self.latency.stop(state.req_id, started)
 
     def end_step(self) -> None:
@@ -377,6 +384,7 @@ class CompactionTimer:
 
 
 LATENCY_ATTR = "vllm_evict_latency_ms"
+FAILED_ATTR = "vllm_evict_failed"  # {request id: reason} of compactions that raised
 STATE = WorkerEvictionState()
 
 
