@@ -1,9 +1,11 @@
 """Property tests of the eviction parser (hypothesis): any JSON value in any field is either a clean
-ValueError or a request the engine reads back unchanged; nothing else escapes (a TypeError here would be
-a 500 from the server instead of a 400)."""
+ValueError or a request the engine reads back unchanged, through vLLM's msgspec messages to the engine
+core; nothing else escapes (a TypeError here, or an integer msgspec cannot carry, would be a 500 from
+the server instead of a 400)."""
 
 import math
 
+import msgspec
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -29,6 +31,7 @@ def check_resolves_or_value_error(extra_args):
         return None
     spec = parse_request(resolved)
     if spec is not None:  # what the engine reads back is exactly what was resolved
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(resolved)) == resolved  # vLLM's IPC carries it
         assert resolve_request(resolved) == resolved
         assert resolved[EXTRA_ARGS_KEY] == spec.to_dict()
         assert 0 < spec.config.budget and not math.isnan(float(spec.config.budget))
@@ -78,3 +81,11 @@ def test_server_field_is_a_field_error_or_what_the_engine_reads(obj):
     extra_args = to_extra_args(cfg)
     spec = check_resolves_or_value_error(extra_args)
     assert (spec is None) == (extra_args[EXTRA_ARGS_KEY] == {"policy": "none"})
+
+
+@settings(max_examples=100, deadline=None)
+@given(field=st.sampled_from(["budget", "evict_at", "window", "sink", "pool_kernel"]),
+       value=st.integers(min_value=1, max_value=2**80))
+def test_integers_of_any_size(field, value):
+    """Integers beyond what vLLM's messages carry are a ValueError (found by the API fuzz: a 500)."""
+    check_resolves_or_value_error({EXTRA_ARGS_KEY: {"policy": "snapkv", "budget": 0.2, field: value}})

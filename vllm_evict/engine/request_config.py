@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from vllm_evict.policies import EvictionConfig
+from vllm_evict.policies._validate import check_int
 from vllm_evict.policies.config import parse_int_field
 
 EXTRA_ARGS_KEY = "vllm_evict"
@@ -48,8 +49,8 @@ def _from_mapping(spec: Mapping[str, Any]) -> RequestEviction | None:
         raise ValueError(f"{EXTRA_ARGS_KEY} must be an object, got {type(spec).__name__}")
     spec = dict(spec)
     evict_at = spec.pop("evict_at", None)
-    if evict_at is not None and (isinstance(evict_at, bool) or not isinstance(evict_at, int) or evict_at < 1):
-        raise ValueError(f"evict_at must be a positive integer (prompt tokens), got {evict_at!r}")
+    if evict_at is not None:
+        evict_at = check_int("evict_at", evict_at, minimum=1)  # prompt tokens
     config = EvictionConfig.from_dict(spec)
     if config is not None and config.chunked:
         # SPEC §4.3's block-wise KeyDiff needs repeated eviction during prefill; the engine evicts once.

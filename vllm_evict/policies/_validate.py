@@ -17,12 +17,19 @@ def is_real(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+# Integers of a request travel to the engine core in vLLM's msgspec messages, which hold 64-bit integers
+# only: a larger one is a bad request (400), not a serialisation failure (500).
+INT_MAX = 2**63 - 1
+
+
 def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
     if not is_int(value):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     value = int(value)  # type: ignore[arg-type]
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    if value > INT_MAX:
+        raise ValueError(f"{name} must be at most 2**63 - 1, got {value!r}")
     return value
 
 

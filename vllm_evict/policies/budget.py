@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from ._validate import is_int, is_real
+from ._validate import INT_MAX, is_int, is_real
 
 ALLOCATIONS = ("uniform", "adakv")
 
@@ -21,8 +21,8 @@ ALLOCATIONS = ("uniform", "adakv")
 def check_budget(budget: object) -> int | float:
     """Validate a request budget (SPEC §3.1): int >= 1 (tokens) or float in (0, 1] (ratio)."""
     if is_int(budget):
-        if int(budget) < 1:  # type: ignore[arg-type]
-            raise ValueError(f"budget must be an int >= 1 or a float in (0, 1], got {budget!r}")
+        if not 1 <= int(budget) <= INT_MAX:  # type: ignore[arg-type]
+            raise ValueError(f"budget must be an int in [1, 2**63 - 1] or a float in (0, 1], got {budget!r}")
         return int(budget)  # type: ignore[arg-type]
     if is_real(budget):
         b = float(budget)  # type: ignore[arg-type]
