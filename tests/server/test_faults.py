@@ -1,0 +1,122 @@
+"""Faults of a real `vllm-evict serve` (issue 18), each on a server of its own (tiny model, CPU):
+
+* SIGTERM with evicting requests in flight, under `--shutdown-timeout` (vLLM's graceful drain): every
+  in-flight stream finishes, the process exits in bounded time, and a restarted server serves again;
+* the engine-core process killed: the API does not hang: /health fails (503 or the server gone) and a
+  request gets an error, within a bounded time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from tests.server.conftest import stop_server
+
+EVICTION = {"policy": "snapkv", "budget": 0.25}
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 20
+
+
+def stream_completion(server, results: list, index: int, max_tokens: int = 48, ended: list | None = None) -> None:
+    """One streaming completion; appends (index, tokens received, finish reason or the error seen), and
+    its end time to `ended`."""
+    import httpx
+
+    tokens, finish = 0, None
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
+                "model": model_id(server), "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
+                "ignore_eos": True, "eviction": EVICTION}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    import json
+
+                    choice = json.loads(line[6:])["choices"][0]
+                    tokens += 1 if choice.get("text") is not None else 0
+                    finish = choice.get("finish_reason") or finish
+    except httpx.HTTPError as exc:
+        finish = f"error: {type(exc).__name__}"
+    results.append((index, tokens, finish))
+    if ended is not None:
+        ended.append(time.time())
+
+
+_MODEL_IDS: dict[str, str] = {}
+
+
+def model_id(server) -> str:
+    import httpx
+
+    if server.url not in _MODEL_IDS:
+        _MODEL_IDS[server.url] = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    return _MODEL_IDS[server.url]
+
+
+def test_sigterm_drains_in_flight_requests_and_a_restart_serves(server_factory):
+    server = server_factory(extra_args=["--shutdown-timeout", "60"])
+    model_id(server)
+    results: list = []
+    ended: list = []
+    threads = [threading.Thread(target=stream_completion, args=(server, results, i, 400, ended)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)  # the streams have started
+    start = time.time()
+    os.kill(server.proc.pid, signal.SIGTERM)
+    for thread in threads:
+        thread.join(120)
+    server.proc.wait(90)
+    exit_s = time.time() - start
+    assert sorted(r[2] for r in results) == ["length"] * 4, (results, server.log_tail(40))
+    assert sorted(r[1] for r in results) == [400] * 4, results
+    assert sum(end > start for end in ended) >= 2, "the streams ended before the SIGTERM: nothing was in flight"
+    assert exit_s < 90, exit_s
+    print(f"SIGTERM: 4 streams of 400 tokens, {sum(end > start for end in ended)} still running at the signal, "
+          f"all finished; exit after {exit_s:.1f} s")
+    stop_server(server)  # the process group's leftovers, if any
+
+    again = server_factory()
+    results = []
+    stream_completion(again, results, 0, max_tokens=4)
+    assert results == [(0, 4, "length")], results
+
+
+def engine_core_pids(server) -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)
+            if "EngineCore" in " ".join(p.cmdline() + [p.name()])]
+
+
+def test_engine_core_death_fails_fast_instead_of_hanging(server_factory):
+    import httpx
+
+    server = server_factory()
+    model_id(server)
+    pids = engine_core_pids(server)
+    assert pids, "no engine-core process found"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.time() + 60
+    health = None
+    while time.time() < deadline:
+        try:
+            health = httpx.get(server.url + "/health", timeout=10).status_code
+        except httpx.HTTPError as exc:
+            health = type(exc).__name__  # the API server went down with its engine
+        if health != 200:
+            break
+        time.sleep(1.0)
+    assert health != 200, "health still answers 200 a minute after the engine died"
+    start = time.time()
+    try:
+        response = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": model_id(server), "prompt": "hello", "max_tokens": 4, "eviction": EVICTION})
+        assert response.status_code >= 500, response.text
+    except httpx.TransportError:
+        pass  # refused: the server is gone, which a client sees at once
+    assert time.time() - start < 60
+    print(f"engine death: health {health}; a request failed after {time.time() - start:.1f} s")
