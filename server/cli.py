@@ -49,6 +49,9 @@ def build_parser():
     group.add_argument("--default-eviction-budget", default=None,
                        help="ratio in (0, 1] like 0.1, or a token count like 2048")
     group.add_argument("--default-eviction-allocation", default=None, help="uniform | adakv")
+    limits = parser.add_argument_group("request limits (over one: a 400 naming it; see docs/OPERATIONS.md)")
+    limits.add_argument("--max-n", type=int, default=None,
+                        help="most sequences per request (`n`); sets vLLM's VLLM_MAX_N_SEQUENCES (default 16384)")
     return parser
 
 
@@ -121,6 +124,11 @@ def serve(argv: list[str]) -> int:
 
     if defaults:
         os.environ[DEFAULT_ENV] = json.dumps(defaults)
+    if args.max_n is not None:
+        if args.max_n < 1:
+            print(f"vllm-evict serve: --max-n must be >= 1, got {args.max_n}", file=sys.stderr)
+            return 2
+        os.environ["VLLM_MAX_N_SEQUENCES"] = str(args.max_n)  # read by vLLM's SamplingParams validation
     from vllm.entrypoints.cli.serve import ServeSubcommand
 
     ServeSubcommand().validate(args)
