@@ -162,7 +162,8 @@ class _EvictionSchedulerMixin:
         pages = spec.config.num_pages(evict_at, self.block_size)
         if pages is None:
             return
-        request.sampling_params.extra_args[PLAN_KEY] = [evict_at, pages]  # the workers' E and P
+        params = request.sampling_params
+        params.extra_args = {**(params.extra_args or {}), PLAN_KEY: [evict_at, pages]}  # the workers' E and P
         self.evictions[request.request_id] = SchedulerEviction(
             request=spec, evict_at=evict_at, pages=pages, window=spec.config.window_size(),
             prompt_tokens=request.num_prompt_tokens)

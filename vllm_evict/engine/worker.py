@@ -329,7 +329,7 @@ def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: in
     from vllm_evict.policies.config import EvictionConfig
 
     gen = torch.Generator(device=device).manual_seed(0)
-    n, num_blocks = 16 * page, 24
+    n, num_blocks = 16 * page, 32  # 16 prompt blocks and room for as many fresh ones (P <= 16)
     layers = [(i, make_cache(torch.randn(num_blocks, num_kv_heads, page, 2 * head_dim, generator=gen,
                                          device=device).to(dtype))) for i in range(2)]
     states = []
