@@ -152,42 +152,82 @@ def allocate_pages(
     pages: int | None = None,
 ) -> torch.Tensor:
     """Pages per KV head p_i (CPU int64 [H_kv]) for final scores [H_kv, n] (protected = +inf); or
-    [L, H_kv] for scores [L, H_kv, n], each layer allocated on its own with at most two host
-    synchronisations for all of them (the engine's path). `pages` is P when the caller already has it
-    (the engine: the scheduler reserved exactly P*H_kv pages per layer); otherwise it is derived here
-    from the budget and the protected count r read off the scores.
+    [L, H_kv] for scores [L, H_kv, n], each layer allocated on its own (the engine's path). `pages` is P
+    when the caller already has it (the engine: the scheduler reserved exactly P*H_kv pages per layer);
+    otherwise it is derived here from the budget and the protected count r read off the scores.
 
     When nothing is evicted (num_pages is None) every head gets p_max = ceil(n/bs) pages, i.e. keeps all n.
     Kept tokens of head i: K_i = min(n, p_i * page_size).
     """
-    scores = _check_scores(scores)
-    check_budget(budget)
-    _check_alloc(allocation, page_size, alpha)
-    layers = scores if scores.dim() == 3 else scores.unsqueeze(0)
-    num_layers, h, n = (int(s) for s in layers.shape)
-    # One transfer: NaN check and r (SPEC §1) of every layer.
-    protected = torch.isposinf(layers).sum(dim=-1).amax(dim=-1)
-    stats = torch.cat([torch.isnan(layers).any().view(1).to(protected.dtype), protected]).tolist()
-    if stats[0]:
-        raise ValueError("scores contain NaN (a scoring bug; SPEC §7.1)")
-    r = stats[1:]
-    per_layer = [num_pages(n, budget, page_size, ri) if pages is None else pages for ri in r]
-    p_max = -(-n // page_size)
-    out = [[p_max if p is None else p] * h for p in per_layer]
-    adakv = [i for i, p in enumerate(per_layer) if p is not None and allocation == "adakv" and h > 1]
-    if adakv:
-        # Ada-KV (SPEC §3.4). Step 1: global stable top-B over each layer's head-major flattening; one
-        # transfer for the head counts f of all layers.
-        rows = torch.tensor(adakv, device=layers.device)
-        order = torch.sort(layers[rows].reshape(len(adakv), h * n), dim=1, descending=True, stable=True).indices
-        top = torch.tensor([per_layer[i] * h * page_size for i in adakv], device=layers.device)
+    return PageAllocation(scores, budget, allocation=allocation, page_size=page_size, alpha=alpha,
+                          pages=pages).result()
+
+
+class PageAllocation:
+    """allocate_pages in two stages, so that a caller can overlap the host part with later device work.
+
+    The constructor validates and enqueues the device work (NaN check, r, and with `pages` given the
+    Ada-KV head counts f of every layer) and one non-blocking copy of it to the host. `result()` waits for
+    that copy only, not for work enqueued after it, then rounds on the host (SPEC §3.4, exact). Without
+    `pages`, the head counts need the pages derived from r: one more transfer in `result()`."""
+
+    def __init__(self, scores: torch.Tensor, budget: int | float, *, allocation: str = "uniform",
+                 page_size: int = 16, alpha: float = 0.2, pages: int | None = None) -> None:
+        scores = _check_scores(scores)
+        check_budget(budget)
+        _check_alloc(allocation, page_size, alpha)
+        self.single = scores.dim() == 2
+        self.layers = scores.unsqueeze(0) if self.single else scores
+        self.budget, self.allocation, self.page_size, self.alpha, self.pages = budget, allocation, page_size, alpha, pages
+        num_layers, h, _ = self.layers.shape
+        parts = [torch.isnan(self.layers).any().view(1).to(torch.int64),
+                 torch.isposinf(self.layers).sum(dim=-1).amax(dim=-1).to(torch.int64)]
+        self.counts_known = pages is not None and allocation == "adakv" and h > 1
+        if self.counts_known:
+            parts.append(self._head_counts(list(range(num_layers)), [pages] * num_layers).view(-1))
+        stats = torch.cat(parts)
+        self.ready = None
+        if stats.is_cuda:
+            self.host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+            self.host.copy_(stats, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host = stats
+
+    def _head_counts(self, rows: list[int], per_layer: list[int]) -> torch.Tensor:
+        """Ada-KV step 1 (SPEC §3.4): f [len(rows), H], the heads' shares of each layer's global stable
+        top-(P*H*page_size) over its head-major flattening."""
+        layers, (_, h, n) = self.layers, self.layers.shape
+        index = torch.tensor(rows, device=layers.device)
+        order = torch.sort(layers[index].reshape(len(rows), h * n), dim=1, descending=True, stable=True).indices
+        top = torch.tensor([p * h * self.page_size for p in per_layer], device=layers.device)
         in_top = torch.arange(h * n, device=layers.device) < top.view(-1, 1)
-        f = torch.zeros(len(adakv), h, dtype=torch.int64, device=layers.device)
-        f.scatter_add_(1, torch.div(order, n, rounding_mode="floor"), in_top.to(torch.int64))
-        for i, fi in zip(adakv, f.tolist()):
-            out[i] = _adakv_round(fi, per_layer[i], r[i], n, page_size, alpha)
-    result = torch.tensor(out, dtype=torch.long)
-    return result if scores.dim() == 3 else result[0]
+        f = torch.zeros(len(rows), h, dtype=torch.int64, device=layers.device)
+        return f.scatter_add_(1, torch.div(order, n, rounding_mode="floor"), in_top.to(torch.int64))
+
+    def result(self) -> torch.Tensor:
+        if self.ready is not None:
+            self.ready.synchronize()
+        num_layers, h, n = self.layers.shape
+        stats = self.host.tolist()
+        if stats[0]:
+            raise ValueError("scores contain NaN (a scoring bug; SPEC §7.1)")
+        r = stats[1: 1 + num_layers]
+        per_layer = [num_pages(n, self.budget, self.page_size, ri) if self.pages is None else self.pages for ri in r]
+        p_max = -(-n // self.page_size)
+        out = [[p_max if p is None else p] * h for p in per_layer]
+        adakv = [i for i, p in enumerate(per_layer) if p is not None and self.allocation == "adakv" and h > 1]
+        if adakv:
+            if self.counts_known:
+                flat = stats[1 + num_layers:]
+                f = [flat[i * h: (i + 1) * h] for i in adakv]
+            else:
+                f = self._head_counts(adakv, [per_layer[i] for i in adakv]).tolist()
+            for i, fi in zip(adakv, f):
+                out[i] = _adakv_round(fi, per_layer[i], r[i], n, self.page_size, self.alpha)
+        result = torch.tensor(out, dtype=torch.long)
+        return result[0] if self.single else result
 
 
 def _adakv_round(f: list[int], pages: int, r: int, n: int, page_size: int, alpha: float) -> list[int]:
