@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import time
 
 MIXES = {

@@ -18,6 +18,7 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 
+import httpx  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from vllm_evict.policies import ALLOCATIONS, POLICIES  # noqa: E402
@@ -46,8 +47,6 @@ def server(server_factory):
 
 @pytest.fixture(scope="module")
 def schema(server):
-    import httpx
-
     raw = httpx.get(server.url + "/openapi.json", timeout=30).json()
     for path, method in OPERATIONS:
         body = raw["paths"][path][method.lower()]["requestBody"]["content"]["application/json"]["schema"]
@@ -58,8 +57,6 @@ def schema(server):
 
 
 def kv_usage(server) -> float:
-    import httpx
-
     for line in httpx.get(server.url + "/metrics", timeout=30).text.splitlines():
         if line.startswith("vllm:kv_cache_usage_perc"):
             return float(line.rsplit(" ", 1)[-1])
@@ -84,8 +81,6 @@ def test_fuzzed_requests_get_no_server_error(server, schema, path, method):
     fuzz()
     assert len(tried) >= min(EXAMPLES, 10)
     # the server still answers a plain request, and nothing holds KV blocks any more
-    import httpx
-
     out = httpx.post(server.url + "/v1/completions", json={"model": served_model(server), "prompt": "hello",
                                                             "max_tokens": 4}, timeout=120)
     assert out.status_code == 200, out.text
@@ -138,8 +133,6 @@ def test_fuzzed_eviction_objects_in_valid_requests(server, eviction_schema):
                 '{"policy": "snapkv", "budget": 1e999}', '{"policy": "snapkv", "budget": 123456789012345678901234567890}',
                 '{"policy": "snapkv", "budget": 0.2, "evict_at": 99999999999999999999999999}',
                 '{"policy": "\u0073napkv\u200b", "budget": 0.2}', '{"policy": "🙂", "budget": 0.2}'):
-        import httpx
-
         text = f'{{"model": "{model}", "prompt": "hello there", "max_tokens": 4, "eviction": {raw}}}'
         response = httpx.post(server.url + "/v1/completions", content=text,
                               headers={"Content-Type": "application/json"}, timeout=120)
@@ -150,6 +143,4 @@ def test_fuzzed_eviction_objects_in_valid_requests(server, eviction_schema):
 
 
 def served_model(server) -> str:
-    import httpx
-
     return httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]

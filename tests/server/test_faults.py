@@ -7,12 +7,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
 
-import pytest
 
 from tests.server.conftest import stop_server
 
@@ -32,8 +32,6 @@ def stream_completion(server, results: list, index: int, max_tokens: int = 48, e
                 "ignore_eos": True, "eviction": EVICTION}) as response:
             for line in response.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    import json
-
                     choice = json.loads(line[6:])["choices"][0]
                     tokens += 1 if choice.get("text") is not None else 0
                     finish = choice.get("finish_reason") or finish
