@@ -91,13 +91,16 @@ async def client(http, args, model: str, deadline: float, stats: Stats, rng: ran
 
 
 def metrics(text: str) -> dict[str, float]:
+    """KV usage, running and waiting requests from a Prometheus exposition (summed over label sets)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     wanted = {"vllm:kv_cache_usage_perc": "kv_usage", "vllm:num_requests_running": "running",
               "vllm:num_requests_waiting": "waiting"}
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in wanted:
-            out[wanted[name]] = out.get(wanted[name], 0.0) + float(line.rsplit(" ", 1)[-1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                out[wanted[sample.name]] = out.get(wanted[sample.name], 0.0) + sample.value
     return out
 
 

@@ -57,10 +57,13 @@ def schema(server):
 
 
 def kv_usage(server) -> float:
-    for line in httpx.get(server.url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("vllm:kv_cache_usage_perc"):
-            return float(line.rsplit(" ", 1)[-1])
-    raise AssertionError("vllm:kv_cache_usage_perc not exported")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    usage = [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+             if sample.name == "vllm:kv_cache_usage_perc"]
+    assert usage, "vllm:kv_cache_usage_perc not exported"
+    return sum(usage)
 
 
 @pytest.mark.parametrize("path,method", OPERATIONS)

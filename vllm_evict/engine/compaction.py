@@ -69,15 +69,6 @@ def keep_group(scores: torch.Tensor, allocation: PageAllocation | None, page_siz
     return keep_mask(scores, kept_counts(page_counts, n, page_size)), page_counts
 
 
-def plan_compaction(config: EvictionConfig, q_window: torch.Tensor | None, keys: torch.Tensor,
-                    values: torch.Tensor, scale: float, page_size: int, pages: int,
-                    num_layers: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """score_group then keep_group: per layer the same result as `select_tokens`; `pages` is P, which the
-    scheduler derived from the request alone."""
-    scores, allocation = score_group(config, q_window, keys, values, scale, page_size, pages, num_layers)
-    return keep_group(scores, allocation, page_size, pages)
-
-
 def compaction_slots(keep: torch.Tensor, page_counts: torch.Tensor, fresh_blocks: torch.Tensor,
                      page_size: int) -> torch.Tensor:
     """Destination slot [..., E, H] (int64, -1 = evicted) of every prompt token of every head, for kept
@@ -123,8 +114,7 @@ def compact_request(state, layers: list[tuple[int, object]], scale: float, promp
     Ada-KV's page rounding waits for its group's scores on the host. So that the device does not idle
     meanwhile, group g is finished only after group g+1 was gathered and scored: two groups are alive, each
     within half of GROUP_BYTES."""
-    E, P, N = state.evict_at, state.pages, state.page_size
-    cache = layers[0][1]
+    E, cache = state.evict_at, layers[0][1]
     H, D = cache.num_heads, cache.head_dim
     lagged = state.spec.config.allocation != "uniform"
     pending = None
@@ -156,11 +146,9 @@ def _stage_group(state, group: list, cache, scale: float, prompt_blocks: torch.T
 
 
 def _finish_group(state, staged: _StagedGroup, fresh_blocks: torch.Tensor) -> None:
-    G, N = len(staged.group), state.page_size
-    cache = staged.group[0][1]
+    G, N, cache = len(staged.group), state.page_size, staged.group[0][1]
     keep, counts = keep_group(staged.scores, staged.allocation, N, state.pages)
-    H = cache.num_heads
-    keep, counts = keep.view(G, H, -1), counts.view(G, H)
+    keep, counts = keep.view(G, cache.num_heads, -1), counts.view(G, cache.num_heads)
     cache.write_layers([c for _, c in staged.group], staged.keys, staged.values,
                        compaction_slots(keep, counts, fresh_blocks, N).contiguous())
     kept = keep.sum(dim=-1)
