@@ -53,14 +53,19 @@ def make_engine(args):
     import torch
     from vllm import LLM
 
-    from vllm_evict.testing.tiny_models import ensure_tiny_model, write_real_config
-
     on_gpu = torch.cuda.is_available()
     if on_gpu:
-        model = write_real_config("llama-3.1-8b", Path(args.workdir))
+        if args.model:  # written by `run` (a vanilla run cannot import this package)
+            model = Path(args.model)
+        else:
+            from vllm_evict.testing.tiny_models import write_real_config
+
+            model = write_real_config("llama-3.1-8b", Path(args.workdir))
         kwargs = dict(model=str(model), load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.9,
                       attention_backend="FLASH_ATTN")
     else:  # CPU smoke run of the script itself (tests/bench): tiny random Llama, fp32
+        from vllm_evict.testing.tiny_models import ensure_tiny_model
+
         model = ensure_tiny_model("llama")
         kwargs = dict(model=str(model), dtype="float32", kv_cache_memory_bytes=args.kv_cache_memory_bytes)
     # Token ids in, token ids out: no detokenizer. Dummy weights emit ids outside the stand-in
@@ -137,6 +142,8 @@ def eviction_of(args, budget: float | None = None) -> dict | None:
 
 
 def report_of(out) -> dict | None:
+    if os.environ.get("VLLM_PLUGINS") == "none":  # vanilla: no plugin, no reports (and no vllm_evict on the path)
+        return None
     from vllm_evict.engine import eviction_report
 
     return eviction_report(out)
@@ -428,20 +435,31 @@ PLANS = {
 }
 
 
+def vanilla_path() -> str:
+    """PYTHONPATH of a vanilla run: only the staged vLLM bundle (/tmp/vsite on the device; empty on CPU,
+    where vLLM comes from the venv and VLLM_PLUGINS=none keeps the installed plugin from loading)."""
+    return os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                           if p and Path(p).name == "vsite")
+
+
 def run_plan(args) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     combined = []
+    import torch
+
+    from vllm_evict.testing.tiny_models import write_real_config
+
+    model = ["--model", str(write_real_config("llama-3.1-8b", Path(args.workdir)))] if torch.cuda.is_available() else []
     for i, (engine, suite, extra, seconds) in enumerate(PLANS[args.plan]):
         out = out_dir / f"{args.plan}_{i}_{engine}_{suite.replace(',', '-')}.json"
         cmd = [sys.executable, __file__, "one", "--engine", engine, "--suite", suite, "--out", str(out),
-               "--time-limit", str(seconds - 60), *extra, *args.extra]
-        print("$", " ".join(cmd), flush=True)
+               "--time-limit", str(seconds - 60), *model, *extra, *args.extra]
+        print("$", f"PYTHONPATH={vanilla_path()} " * (engine == "vanilla") + " ".join(cmd), flush=True)
         t0 = time.time()
         env = dict(os.environ)
-        if engine == "vanilla":  # stock vLLM must not even see the plugin's entry point (dist-info)
-            env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                                if p and not p.rstrip("/").endswith("vsite-evict"))
+        if engine == "vanilla":  # stock vLLM: the vLLM bundle only, neither the plugin's dist-info nor this checkout
+            env["PYTHONPATH"] = vanilla_path()
         try:
             rc = subprocess.run(cmd, timeout=seconds + 60, env=env).returncode
         except subprocess.TimeoutExpired:
@@ -467,12 +485,14 @@ def main() -> int:
     r = sub.add_parser("run", help="run a plan: its engines one after another, vanilla first")
     r.add_argument("--plan", choices=sorted(PLANS), required=True)
     r.add_argument("--out-dir", required=True)
+    r.add_argument("--workdir", default="/tmp/vllm-evict-bench", help="where the GPU model config is written")
     r.add_argument("extra", nargs=argparse.REMAINDER, help="passed to every engine run")
     o = sub.add_parser("one", help="one engine, one suite")
     o.add_argument("--engine", choices=["vanilla", "evict"], required=True)
     o.add_argument("--suite", required=True, help=f"one of {sorted(SUITES)}, or several joined by commas")
     o.add_argument("--out", required=True)
     o.add_argument("--workdir", default="/tmp/vllm-evict-bench")
+    o.add_argument("--model", default=None, help="GPU: the model config directory (default: written to --workdir)")
     o.add_argument("--policy", default="dropkv")
     o.add_argument("--budget", type=float, default=0.1)
     o.add_argument("--allocation", default="uniform")
