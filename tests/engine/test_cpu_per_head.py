@@ -9,7 +9,7 @@ import torch
 ops = pytest.importorskip("vllm._custom_ops")
 
 from vllm_evict.engine import compaction  # noqa: E402
-from vllm_evict.engine.compaction import LayerCompaction, compaction_slots, keep_group, score_group  # noqa: E402
+from vllm_evict.engine.compaction import LayerCompaction, compaction_slots, select_group  # noqa: E402
 from vllm_evict.engine.cpu_backend import CpuPagedCache  # noqa: E402
 from vllm_evict.engine import per_head  # noqa: E402
 from vllm_evict.engine.worker import StepPlan, WorkerEviction  # noqa: E402
@@ -85,7 +85,7 @@ def test_all_layers_at_once_equal_layer_by_layer(monkeypatch, policy, allocation
     for i in range(num_layers):
         kv, cache = make_cache()
         write_standard(kv, keys[i], values[i], prompt_blocks)
-        keep, counts = keep_group(*score_group(config, q_window[i], keys[i], values[i], 0.125, N, P), N, P)
+        keep, counts = select_group(config, q_window[i], keys[i], values[i], 0.125, N, P)
         cache.write_pages(keys[i].reshape(E * H, D), values[i].reshape(E * H, D),
                           compaction_slots(keep, counts, fresh, N).reshape(-1))
         expected.append((kv[fresh.long()].clone(), counts, keep.sum(1)))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vllm_evict.policies import allocate_pages, budget_tokens, num_pages, select_tokens
-from vllm_evict.policies.budget import round_pages
+from vllm_evict.policies.budget import adakv_pages, round_pages
 
 INF = float("inf")
 
@@ -201,6 +201,33 @@ def test_layers_at_once_match_each_layer(allocation):
                 P = num_pages(n, budget, bs, min(n, protect[i]))
                 want = [-(-n // bs) if P is None else P] * h
             assert got[i].tolist() == want, (seed, i)
+
+
+def test_engine_allocation_of_many_layers_matches_literal():
+    """adakv_pages (the engine's sync-free form, P per layer as a tensor, r bounded by the config's): heavy
+    give-back (heads clamped up to p_min, one head holding every high score), odd alphas, many layers."""
+    for seed in range(40):
+        rng = random.Random(1300 + seed)
+        L, h, n, bs = rng.randint(1, 6), rng.choice([2, 3, 8]), rng.randint(40, 260), rng.choice([1, 2, 4, 16])
+        alpha = rng.choice([0.0, 0.2, 0.37, 1.0])
+        w = rng.randint(1, 40)
+        layers = []
+        for i in range(L):
+            s = rand_scores(h, n, 31 * seed + i, protect_last=w, ties=i % 2 == 1)
+            if i % 2:  # head 0 alone is protected and wins the whole global top-B: the others sit at p_min
+                s[0, : n - w] += 2.0
+                s[1:, n - w:] = torch.rand(h - 1, w)
+            layers.append(s)
+        layers = torch.stack(layers)
+        p_min, p_max = -(-w // bs), -(-n // bs)
+        pages = torch.tensor([rng.randint(p_min, p_max - 1) for _ in range(L)])
+        if (pages * bs >= n).any():
+            continue
+        got = adakv_pages(layers, pages, page_size=bs, alpha=alpha, max_protected=w)
+        for i in range(L):
+            budget = int(pages[i]) * bs
+            assert num_pages(n, budget, bs, w) == int(pages[i])
+            assert got[i].tolist() == literal_adakv(layers[i], budget, bs, alpha, w), (seed, i)
 
 
 def test_allocate_pages_streaming_like_uniform_for_single_head():

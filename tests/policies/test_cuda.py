@@ -69,3 +69,22 @@ def test_policy_without_kernel_runs_the_reference_on_cuda(monkeypatch):
     q, k, v = random_qkv(n=300, w=8, h_kv=2, g=2, d=32, seed=5)
     got = score_tokens("toy-peak", q.cuda(), k.cuda(), v.cuda())
     torch.testing.assert_close(got.cpu(), score_tokens("toy-peak", q, k, v), rtol=1e-5, atol=1e-30)
+
+
+def test_engine_allocation_never_waits_for_the_device():
+    """The engine's Ada-KV allocation (adakv_pages) enqueues only device work: CUDA's sync debug mode raises
+    on any synchronising call. Its result equals the host API's."""
+    from vllm_evict.policies.budget import adakv_pages
+
+    gen = torch.Generator().manual_seed(7)
+    scores = torch.rand(4, 8, 2000, generator=gen)
+    scores[..., -32:] = float("inf")
+    cuda_scores = scores.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = adakv_pages(cuda_scores, 20, page_size=16, alpha=0.2, max_protected=32)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = allocate_pages(scores, 320, allocation="adakv", page_size=16, pages=20)
+    assert torch.equal(got.cpu(), want)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from vllm_evict.policies import POLICIES, get_policy, raw_window_scores, score_tokens, select_tokens
+from vllm_evict.policies import POLICIES, KeyPolicy, get_policy, raw_window_scores, score_tokens, select_tokens
 
 from .conftest import random_qkv
 
@@ -279,7 +279,7 @@ def test_score_tokens_is_scale_default_one_over_sqrt_d():
 
 def test_overflowing_score_is_not_protected():
     """+inf marks protected positions only: an overflowing score saturates to the largest float32."""
-    from vllm_evict.policies import KeyPolicy, count_protected
+    from vllm_evict.policies import count_protected
 
     class Huge(KeyPolicy):
         name = "huge"
@@ -294,10 +294,12 @@ def test_overflowing_score_is_not_protected():
 
 
 def test_kernel_support_is_declared_by_the_registry():
-    """`has_kernel` on a registry entry is what routes a policy to the Triton kernel on CUDA: it must name
-    exactly the policies the kernel implements (a policy without it runs the torch reference)."""
+    """`has_kernel` on a registry entry is what routes a policy to a Triton kernel on CUDA: it must name
+    exactly the policies the kernels implement (a policy without it runs the torch reference)."""
+    from vllm_evict.kernels.key_scores import POLICIES as KEY_KERNEL_POLICIES
     from vllm_evict.kernels.window_scores import POLICIES as KERNEL_POLICIES
 
-    assert {name for name, policy in POLICIES.items() if policy.has_kernel} == set(KERNEL_POLICIES)
+    assert {name for name, policy in POLICIES.items() if policy.has_kernel} == {*KERNEL_POLICIES, *KEY_KERNEL_POLICIES}
     assert all(POLICIES[name].window_raw for name in KERNEL_POLICIES)
+    assert all(isinstance(POLICIES[name], KeyPolicy) for name in KEY_KERNEL_POLICIES)
 

@@ -13,9 +13,8 @@ E - P*page_size (see worker.py). Tokens after the eviction point go to head h's 
 Compaction runs once per step, after the model forward (worker.py), over all layers of a request:
 layers are folded into the head axis (layer-major: head l*H + h), so one scoring call, one selection
 and one slot computation serve a group of layers; a group's gathered prompt KV is bounded by
-GROUP_BYTES. Everything runs on the cache's device without host synchronisation, except Ada-KV's exact
-page rounding (SPEC §3.4), which is host arithmetic: it waits for its own group's scores only, while the
-device gathers and scores the next group (compact_request).
+GROUP_BYTES. Everything, Ada-KV's exact page rounding (SPEC §3.4) included, runs on the cache's device
+without host synchronisation.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_evict.policies import keep_mask, kept_counts, score_tokens
-from vllm_evict.policies.budget import PageAllocation
+from vllm_evict.policies.budget import adakv_pages
 from vllm_evict.policies.config import EvictionConfig
 
 # Gathered prompt K/V of one layer group: below the activation memory vLLM profiled for a forward pass
@@ -43,29 +42,18 @@ class LayerCompaction:
     kept: torch.Tensor         # [H] int64 kept tokens K_h = min(E, p_h * page_size)
 
 
-def score_group(config: EvictionConfig, q_window: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
-                scale: float, page_size: int, pages: int, num_layers: int = 1):
-    """Scores [L*H, E] of keys/values [E, L*H, D] and window queries [w, L*Hq, D] of L layers folded into
-    the head axis (layer-major), and for Ada-KV the started allocation (`PageAllocation`: device work and
-    its copy to the host enqueued, the host rounding still to do); None for uniform allocation, which
-    needs no host value (P is known)."""
+def select_group(config: EvictionConfig, q_window: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
+                 scale: float, page_size: int, pages: int, num_layers: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept mask [L*H, E] and pages per head [L*H] (int64, on the keys' device) of keys/values [E, L*H, D]
+    and window queries [w, L*Hq, D] of L layers folded into the head axis (layer-major)."""
     scores = score_tokens(config.policy, q_window, keys, values, scale=scale, **config.score_options())
     rows, n = scores.shape
     heads = rows // num_layers
     if config.allocation == "uniform" or heads == 1:
-        return scores, None
-    return scores, PageAllocation(scores.view(num_layers, heads, n), config.budget, page_size=page_size,
-                                  pages=pages, **config.select_options())
-
-
-def keep_group(scores: torch.Tensor, allocation: PageAllocation | None, page_size: int,
-               pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kept mask [L*H, E] and pages per head [L*H] (int64, device) from score_group's result."""
-    rows, n = scores.shape
-    if allocation is None:
         page_counts = torch.full((rows,), pages, dtype=torch.int64, device=scores.device)
     else:
-        page_counts = allocation.result().view(-1).to(scores.device)
+        page_counts = adakv_pages(scores.view(num_layers, heads, n), pages, page_size=page_size,
+                                  alpha=config.alpha, max_protected=config.protected_count(n)).view(-1)
     return keep_mask(scores, kept_counts(page_counts, n, page_size)), page_counts
 
 
@@ -93,66 +81,28 @@ def layer_groups(layers: list, prompt_len: int, num_heads: int, head_dim: int, i
     return [layers[i: i + size] for i in range(0, len(layers), size)]
 
 
-@dataclass
-class _StagedGroup:
-    """A layer group gathered and scored, waiting for its pages per head."""
-
-    group: list
-    keys: torch.Tensor
-    values: torch.Tensor
-    scores: torch.Tensor
-    allocation: PageAllocation | None
-
-
 def compact_request(state, layers: list[tuple[int, object]], scale: float, prompt_blocks: torch.Tensor,
                     fresh_blocks: torch.Tensor) -> None:
     """Score, select and move one request's kept prompt tokens into its P fresh blocks, in every layer.
 
     layers: (layer index, paged cache adapter) in layer order; `state` is the worker's WorkerEviction;
-    prompt_blocks / fresh_blocks: the request's block ids on the cache's device. Fills state.layers.
-
-    Ada-KV's page rounding waits for its group's scores on the host. So that the device does not idle
-    meanwhile, group g is finished only after group g+1 was gathered and scored: two groups are alive, each
-    within half of GROUP_BYTES."""
-    E, cache = state.evict_at, layers[0][1]
+    prompt_blocks / fresh_blocks: the request's block ids on the cache's device. Fills state.layers."""
+    E, N, cache = state.evict_at, state.page_size, layers[0][1]
     H, D = cache.num_heads, cache.head_dim
-    lagged = state.spec.config.allocation != "uniform"
-    pending = None
-    for group in layer_groups(layers, E, H, D, cache.dtype.itemsize, GROUP_BYTES // 2 if lagged else GROUP_BYTES):
-        staged = _stage_group(state, group, cache, scale, prompt_blocks)
-        if pending is not None:
-            _finish_group(state, pending, fresh_blocks)
-            pending = None
-        if staged.allocation is None:
-            _finish_group(state, staged, fresh_blocks)
-        else:
-            pending = staged
-    if pending is not None:
-        _finish_group(state, pending, fresh_blocks)
-
-
-def _stage_group(state, group: list, cache, scale: float, prompt_blocks: torch.Tensor) -> _StagedGroup:
-    E, G, H, D = state.evict_at, len(group), cache.num_heads, cache.head_dim
-    caches = [layer_cache for _, layer_cache in group]
-    keys = torch.empty(E, G, H, D, dtype=cache.dtype, device=cache.device)
-    values = torch.empty_like(keys)
-    cache.gather_layers(caches, prompt_blocks, E, keys, values)
-    q_window = None
-    if state.window:
-        q_window = torch.stack([state.q_window[index] for index, _ in group], dim=1).flatten(1, 2)
-    scores, allocation = score_group(state.spec.config, q_window, keys.view(E, G * H, D), values.view(E, G * H, D),
-                                     scale, state.page_size, state.pages, num_layers=G)
-    return _StagedGroup(group, keys, values, scores, allocation)
-
-
-def _finish_group(state, staged: _StagedGroup, fresh_blocks: torch.Tensor) -> None:
-    G, N, cache = len(staged.group), state.page_size, staged.group[0][1]
-    keep, counts = keep_group(staged.scores, staged.allocation, N, state.pages)
-    keep, counts = keep.view(G, cache.num_heads, -1), counts.view(G, cache.num_heads)
-    cache.write_layers([c for _, c in staged.group], staged.keys, staged.values,
-                       compaction_slots(keep, counts, fresh_blocks, N).contiguous())
-    kept = keep.sum(dim=-1)
-    for i, (index, _) in enumerate(staged.group):
-        state.layers[index] = LayerCompaction(page_counts=counts[i], kept=kept[i])
-        if DUMP_DIR:  # kept sets for offline comparison with a reference (GPU checks)
-            torch.save(keep[i].cpu(), os.path.join(DUMP_DIR, f"{state.req_id}.L{index}.pt"))
+    for group in layer_groups(layers, E, H, D, cache.dtype.itemsize):
+        G, caches = len(group), [layer_cache for _, layer_cache in group]
+        keys = torch.empty(E, G, H, D, dtype=cache.dtype, device=cache.device)
+        values = torch.empty_like(keys)
+        cache.gather_layers(caches, prompt_blocks, E, keys, values)
+        q_window = None
+        if state.window:
+            q_window = torch.stack([state.q_window[index] for index, _ in group], dim=1).flatten(1, 2)
+        keep, counts = select_group(state.spec.config, q_window, keys.view(E, G * H, D), values.view(E, G * H, D),
+                                    scale, N, state.pages, num_layers=G)
+        keep, counts = keep.view(G, H, E), counts.view(G, H)
+        cache.write_layers(caches, keys, values, compaction_slots(keep, counts, fresh_blocks, N).contiguous())
+        kept = keep.sum(dim=-1)
+        for i, (index, _) in enumerate(group):
+            state.layers[index] = LayerCompaction(page_counts=counts[i], kept=kept[i])
+            if DUMP_DIR:  # kept sets for offline comparison with a reference (GPU checks)
+                torch.save(keep[i].cpu(), os.path.join(DUMP_DIR, f"{state.req_id}.L{index}.pt"))

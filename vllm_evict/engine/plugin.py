@@ -42,13 +42,17 @@ def register() -> None:
 
 
 def _install_triton_scoring() -> None:
-    """Query-based raw scores on CUDA go through the fused Triton kernels (kernels/window_scores.py)."""
+    """Raw scores on CUDA go through the fused Triton kernels: query-based policies
+    (kernels/window_scores.py), KeyDiff and K-norm (kernels/key_scores.py)."""
     from vllm_evict.kernels.window_scores import has_triton, window_scores
 
-    from vllm_evict.policies import register_raw_kernel
+    from vllm_evict.policies import register_key_kernel, register_raw_kernel
 
     if has_triton():
+        from vllm_evict.kernels.key_scores import key_scores
+
         register_raw_kernel(window_scores)
+        register_key_kernel(key_scores)
 
 
 def _install_request_validation() -> None:

@@ -11,7 +11,7 @@ Public API
 """
 
 from .api import SCORE_OPTIONS, effective_policy, score_tokens, select_tokens
-from .base import KeyPolicy, Policy, WindowPolicy
+from .base import KeyPolicy, Policy, WindowPolicy, register_key_kernel
 from .budget import ALLOCATIONS, allocate_pages, budget_tokens, check_budget, count_protected, kept_counts, num_pages
 from .caote import ALLOWED_BASES as CAOTE_BASES
 from .config import EvictionConfig
@@ -45,6 +45,7 @@ __all__ = [
     "protected_count",
     "raw_window_scores",
     "reference_raw_window_scores",
+    "register_key_kernel",
     "register_raw_kernel",
     "score_tokens",
     "select_tokens",

@@ -10,6 +10,8 @@ and returns float32 [H_kv, n] retention scores, +inf at protected positions.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .pooling import max_pool, protect
@@ -22,7 +24,7 @@ class Policy:
     name: str = ""
     needs_queries: bool = False  # reads window queries
     window_raw: bool = False  # raw score comes from raw_window_scores
-    has_kernel: bool = False  # the Triton window kernel implements its raw score (CUDA; else the torch reference)
+    has_kernel: bool = False  # a Triton kernel implements its raw score (CUDA; else the torch reference)
     default_window: int = 0  # w (SPEC §4 table); 0 = no window
     default_pool_kernel: int = 1
     default_sink: int = 0
@@ -61,6 +63,18 @@ class WindowPolicy(Policy):
 HEAD_CHUNK = 16
 
 
+KeyKernel = Callable[[str, torch.Tensor], torch.Tensor]
+_KEY_KERNEL: KeyKernel | None = None
+
+
+def register_key_kernel(fn: KeyKernel | None) -> None:
+    """Install (or with None remove) a CUDA implementation of the key-only policies that declare
+    `has_kernel`: fn(policy_name, keys [n, H_kv, D] in their dtype) -> float32 [H_kv, n], equal to
+    `key_score` up to fp32 rounding (SPEC §7.3)."""
+    global _KEY_KERNEL
+    _KEY_KERNEL = fn
+
+
 class KeyPolicy(Policy):
     """Key-only policy: score [n] per KV head from that head's fp32 keys (no GQA step)."""
 
@@ -69,6 +83,8 @@ class KeyPolicy(Policy):
         raise NotImplementedError
 
     def base_scores(self, q_window, keys, values, *, pool_kernel: int, gqa: str, scale: float, **_: object) -> torch.Tensor:
+        if _KEY_KERNEL is not None and keys.is_cuda and self.has_kernel:
+            return max_pool(_KEY_KERNEL(self.name, keys), pool_kernel)
         out = torch.cat([self.key_score(chunk.to(torch.float32).transpose(0, 1))
                          for chunk in keys.split(HEAD_CHUNK, dim=1)])
         return max_pool(out, pool_kernel)

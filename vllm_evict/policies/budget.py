@@ -1,8 +1,10 @@
 """SPEC §3: budget parsing, pages per head P, and the uniform / Ada-KV page allocation.
 
 All page arithmetic is exact: Ada-KV's B_i = (1-alpha) f_i + alpha B/H_kv and x_i = B_i/bs are
-evaluated as rational numbers (alpha is read as the decimal it prints as, so 0.2 is exactly 1/5),
-which makes the floor / largest-remainder page rounding of §3.4 deterministic and platform-free.
+evaluated as integers over a common denominator (alpha is read as the decimal it prints as, so 0.2 is
+exactly 1/5), which makes the floor / largest-remainder page rounding of §3.4 deterministic and
+platform-free. The rounding runs in tensor arithmetic on the scores' device, so the engine allocates
+without a host synchronisation (adakv_pages).
 """
 
 from __future__ import annotations
@@ -88,58 +90,38 @@ def _check_alloc(allocation: object, page_size: object, alpha: object) -> None:
         raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
 
 
-def _take_units(rem: Sequence[Fraction], cap: Sequence[int], count: int, low_index_first: bool) -> list[int]:
-    """Bulk form of the greedy "+1 to the largest remainder" loop.
+def _round_units(num: torch.Tensor, den: int, total: torch.Tensor, p_min: torch.Tensor, p_max: int,
+                 units: int) -> torch.Tensor:
+    """SPEC §3.4 step 3 for x = num / den (num int64 [L, H] >= 0, sum_i x = total [L]) with bounds p_min [L]
+    and p_max, in integer tensor arithmetic on num's device, without host synchronisation.
 
-    Head i offers cap[i] units; its m-th unit (m = 0, 1, ...) has priority rem[i] - m (giving the head one
-    page lowers its remainder by one). Returns how many of the `count` best units (priority descending,
-    equal priority: lower head first if low_index_first else higher head first) each head gets, which is
-    exactly what the one-page-at-a-time loop of SPEC §3.4 produces, in O(H^2) instead of O(pages).
-    """
-    h = len(rem)
-    take = [0] * h
-    if count <= 0:
-        return take
-    if count > sum(cap):
-        raise AssertionError("page rounding is infeasible (internal error)")
-    fl = [math.floor(r) for r in rem]
-    frac = [r - f for r, f in zip(rem, fl)]
-    heads = [i for i in range(h) if cap[i] > 0]
-    # Integer level L holds the unit of head i with priority fl[i] - m + frac[i], when lo[i] < L <= fl[i].
-    lo = {i: fl[i] - cap[i] for i in heads}
-    level = max(fl[i] for i in heads)
-    while count > 0:
-        active = [i for i in heads if lo[i] < level <= fl[i]]
-        below = [fl[j] for j in heads if fl[j] < level] + [lo[i] for i in active]
-        nxt = max(below)  # levels level, level-1, ..., nxt+1 share the same active set
-        if not active:
-            level = nxt
-            continue
-        span = level - nxt
-        full = min(span, count // len(active))
-        for i in active:
-            take[i] += full
-        count -= full * len(active)
-        if full < span and count > 0:
-            order = sorted(active, key=lambda i: (-frac[i], i if low_index_first else -i))
-            for i in order[:count]:
-                take[i] += 1
-            count = 0
-        level -= full
-    return take
+    The one-page-at-a-time loop is a selection: head i's m-th extra page has priority x_i - p_i - m (the loop
+    picks the largest, equal: lower head), its m-th page given back x_i - p_i + m (smallest first, equal:
+    higher head). A head's priorities are monotone in m, so the loop's `count` steps take the `count` best
+    units over all heads: one stable sort of [L, H * units]. `units` must bound what one head takes or gives
+    (allocate_pages: H * p_min at most)."""
+    num_layers, h = num.shape
+    p = torch.clamp(torch.maximum(num // den, p_min.view(-1, 1)), max=p_max)
+    deficit = (total - p.sum(dim=1)).view(-1, 1)  # > 0: pages to add; < 0: pages to give back
+    m = torch.arange(units, device=num.device)
+    rank = torch.arange(h * units, device=num.device)
+    pm = p.unsqueeze(-1)
+    big = torch.iinfo(torch.int64).max
+    gain = (num.unsqueeze(-1) - (pm + m) * den).masked_fill(pm + m >= p_max, -big)
+    order = torch.sort(gain.view(num_layers, -1), dim=1, descending=True, stable=True).indices
+    add = torch.zeros_like(p).scatter_add_(1, order // units, (rank < deficit).to(torch.int64))
+    loss = (num.unsqueeze(-1) - (pm - m) * den).masked_fill(pm - m <= p_min.view(-1, 1, 1), big).flip(1)
+    order = torch.sort(loss.reshape(num_layers, -1), dim=1, stable=True).indices
+    give = torch.zeros_like(p).scatter_add_(1, h - 1 - order // units, (rank < -deficit).to(torch.int64))
+    return p + add - give
 
 
 def round_pages(x: Sequence[Fraction], total: int, p_min: int, p_max: int) -> list[int]:
-    """SPEC §3.4 step 3: deterministic largest-remainder rounding of x (sum x = total) with bounds."""
-    p = [min(max(math.floor(xi), p_min), p_max) for xi in x]
-    s = sum(p)
-    if s < total:  # +1 to the largest (x_i - p_i) among p_i < p_max; tie -> lower i
-        add = _take_units([xi - pi for xi, pi in zip(x, p)], [p_max - pi for pi in p], total - s, True)
-        p = [pi + a for pi, a in zip(p, add)]
-    elif s > total:  # -1 to the smallest (x_i - p_i) among p_i > p_min; tie -> higher i
-        sub = _take_units([-(xi - pi) for xi, pi in zip(x, p)], [pi - p_min for pi in p], s - total, False)
-        p = [pi - d for pi, d in zip(p, sub)]
-    return p
+    """SPEC §3.4 step 3 for one layer of rational x (sum x = total): the engine's rounding, on the host."""
+    den = math.lcm(*(xi.denominator for xi in x))
+    num = torch.tensor([[int(xi * den) for xi in x]], dtype=torch.int64)
+    return _round_units(num, den, torch.tensor([total]), torch.tensor([p_min]), p_max,
+                        max(p_max - p_min, 1))[0].tolist()
 
 
 def allocate_pages(
@@ -152,93 +134,59 @@ def allocate_pages(
     pages: int | None = None,
 ) -> torch.Tensor:
     """Pages per KV head p_i (CPU int64 [H_kv]) for final scores [H_kv, n] (protected = +inf); or
-    [L, H_kv] for scores [L, H_kv, n], each layer allocated on its own (the engine's path). `pages` is P
-    when the caller already has it (the engine: the scheduler reserved exactly P*H_kv pages per layer);
-    otherwise it is derived here from the budget and the protected count r read off the scores.
+    [L, H_kv] for scores [L, H_kv, n], each layer allocated on its own. P per layer comes from the budget
+    and the protected count r read off the scores, or is `pages` when given.
 
     When nothing is evicted (num_pages is None) every head gets p_max = ceil(n/bs) pages, i.e. keeps all n.
     Kept tokens of head i: K_i = min(n, p_i * page_size).
     """
-    return PageAllocation(scores, budget, allocation=allocation, page_size=page_size, alpha=alpha,
-                          pages=pages).result()
-
-
-class PageAllocation:
-    """allocate_pages in two stages, so that a caller can overlap the host part with later device work.
-
-    The constructor validates and enqueues the device work (NaN check, r, and with `pages` given the
-    Ada-KV head counts f of every layer) and one non-blocking copy of it to the host. `result()` waits for
-    that copy only, not for work enqueued after it, then rounds on the host (SPEC §3.4, exact). Without
-    `pages`, the head counts need the pages derived from r: one more transfer in `result()`."""
-
-    def __init__(self, scores: torch.Tensor, budget: int | float, *, allocation: str = "uniform",
-                 page_size: int = 16, alpha: float = 0.2, pages: int | None = None) -> None:
-        scores = _check_scores(scores)
-        check_budget(budget)
-        _check_alloc(allocation, page_size, alpha)
-        self.single = scores.dim() == 2
-        self.layers = scores.unsqueeze(0) if self.single else scores
-        self.budget, self.allocation, self.page_size, self.alpha, self.pages = budget, allocation, page_size, alpha, pages
-        num_layers, h, _ = self.layers.shape
-        parts = [torch.isnan(self.layers).any().view(1).to(torch.int64),
-                 torch.isposinf(self.layers).sum(dim=-1).amax(dim=-1).to(torch.int64)]
-        self.counts_known = pages is not None and allocation == "adakv" and h > 1
-        if self.counts_known:
-            parts.append(self._head_counts(list(range(num_layers)), [pages] * num_layers).view(-1))
-        stats = torch.cat(parts)
-        self.ready = None
-        if stats.is_cuda:
-            self.host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
-            self.host.copy_(stats, non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record()
-        else:
-            self.host = stats
-
-    def _head_counts(self, rows: list[int], per_layer: list[int]) -> torch.Tensor:
-        """Ada-KV step 1 (SPEC §3.4): f [len(rows), H], the heads' shares of each layer's global stable
-        top-(P*H*page_size) over its head-major flattening."""
-        layers, (_, h, n) = self.layers, self.layers.shape
+    scores = _check_scores(scores)
+    check_budget(budget)
+    _check_alloc(allocation, page_size, alpha)
+    layers = scores.unsqueeze(0) if scores.dim() == 2 else scores
+    num_layers, h, n = layers.shape
+    if bool(torch.isnan(layers).any()):
+        raise ValueError("scores contain NaN (a scoring bug; SPEC §7.1)")
+    r = torch.isposinf(layers).sum(dim=-1).amax(dim=-1).tolist()
+    per_layer = [num_pages(n, budget, page_size, ri) if pages is None else pages for ri in r]
+    p_max = -(-n // page_size)
+    if pages is not None and pages > p_max:
+        raise ValueError(f"pages={pages} exceeds the {p_max} pages of n={n} tokens")
+    out = torch.tensor([[p_max if p is None else p] * h for p in per_layer], dtype=torch.long)
+    rows = [i for i, p in enumerate(per_layer) if p is not None and p < p_max]
+    if allocation == "adakv" and h > 1 and rows:
         index = torch.tensor(rows, device=layers.device)
-        order = torch.sort(layers[index].reshape(len(rows), h * n), dim=1, descending=True, stable=True).indices
-        top = torch.tensor([p * h * self.page_size for p in per_layer], device=layers.device)
-        in_top = torch.arange(h * n, device=layers.device) < top.view(-1, 1)
-        f = torch.zeros(len(rows), h, dtype=torch.int64, device=layers.device)
-        return f.scatter_add_(1, torch.div(order, n, rounding_mode="floor"), in_top.to(torch.int64))
-
-    def result(self) -> torch.Tensor:
-        if self.ready is not None:
-            self.ready.synchronize()
-        num_layers, h, n = self.layers.shape
-        stats = self.host.tolist()
-        if stats[0]:
-            raise ValueError("scores contain NaN (a scoring bug; SPEC §7.1)")
-        r = stats[1: 1 + num_layers]
-        per_layer = [num_pages(n, self.budget, self.page_size, ri) if self.pages is None else self.pages for ri in r]
-        p_max = -(-n // self.page_size)
-        out = [[p_max if p is None else p] * h for p in per_layer]
-        adakv = [i for i, p in enumerate(per_layer) if p is not None and self.allocation == "adakv" and h > 1]
-        if adakv:
-            if self.counts_known:
-                flat = stats[1 + num_layers:]
-                f = [flat[i * h: (i + 1) * h] for i in adakv]
-            else:
-                f = self._head_counts(adakv, [per_layer[i] for i in adakv]).tolist()
-            for i, fi in zip(adakv, f):
-                out[i] = _adakv_round(fi, per_layer[i], r[i], n, self.page_size, self.alpha)
-        result = torch.tensor(out, dtype=torch.long)
-        return result[0] if self.single else result
+        out[rows] = adakv_pages(layers[index], torch.tensor([per_layer[i] for i in rows], device=layers.device),
+                                page_size=page_size,
+                                alpha=alpha, max_protected=max(r)).cpu()
+    return out[0] if scores.dim() == 2 else out
 
 
-def _adakv_round(f: list[int], pages: int, r: int, n: int, page_size: int, alpha: float) -> list[int]:
-    """SPEC §3.4 steps 2-3 for one layer: safeguard and page rounding, exactly (host arithmetic)."""
-    h = len(f)
-    total = pages * h
-    b = total * page_size
+def adakv_pages(scores: torch.Tensor, pages: torch.Tensor | int, *, page_size: int, alpha: float,
+                max_protected: int) -> torch.Tensor:
+    """Ada-KV pages per head (SPEC §3.4) [L, H] (int64, on the scores' device) for scores [L, H, n] with
+    P = `pages` ([L] or one int, P * page_size < n) per layer, without host synchronisation.
+
+    r is read off the scores per layer, as the reference does; `max_protected` (the engine: the config's r)
+    bounds it, which bounds the units of the rounding's sort. alpha is exact as the decimal it prints as."""
+    num_layers, h, n = scores.shape
+    device = scores.device
+    if isinstance(pages, int):  # built on the device: a pageable host-to-device copy would wait for the stream
+        pages = torch.full((num_layers,), pages, dtype=torch.int64, device=device)
     a = Fraction(repr(float(alpha)))
-    x = [((1 - a) * fi + a * Fraction(b, h)) / page_size for fi in f]
-    p_min = -(-max(r, 1) // page_size)
-    return round_pages(x, total, p_min, -(-n // page_size))
+    # x_i = ((1-a) f_i + a B/H) / bs with B = P*H*bs, over the common denominator q*H*bs
+    q, p_min_cap = a.denominator, -(-max(max_protected, 1) // page_size)
+    units = h * p_min_cap
+    if q * h * (2 * n + (units + 1) * page_size) >= 1 << 62:
+        raise ValueError(f"alpha={alpha!r} has too many decimal digits for exact page rounding at n={n}")
+    order = torch.sort(scores.reshape(num_layers, h * n), dim=1, descending=True, stable=True).indices
+    in_top = torch.arange(h * n, device=device) < (pages * h * page_size).view(-1, 1)
+    f = torch.zeros(num_layers, h, dtype=torch.int64, device=device)
+    f.scatter_add_(1, order // n, in_top.to(torch.int64))  # step 1: the heads' shares of the global top-B
+    num = (q - a.numerator) * h * f + (a.numerator * h * page_size) * pages.view(-1, 1)
+    r = torch.isposinf(scores).sum(dim=-1).amax(dim=-1)
+    p_min = torch.clamp((torch.clamp(r, min=1) + page_size - 1) // page_size, max=p_min_cap)
+    return _round_units(num, q * h * page_size, pages * h, p_min, -(-n // page_size), units)
 
 
 def kept_counts(pages: torch.Tensor, n: int, page_size: int = 16) -> torch.Tensor:

@@ -14,6 +14,7 @@ EPS_COS = 1e-8
 
 class KeyDiff(KeyPolicy):
     name = "keydiff"
+    has_kernel = True  # kernels/key_scores.py
 
     def key_score(self, k: torch.Tensor) -> torch.Tensor:
         mu = k.mean(dim=1, keepdim=True)                                        # [heads, 1, D]

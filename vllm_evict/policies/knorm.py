@@ -7,6 +7,7 @@ from .base import KeyPolicy
 
 class KNorm(KeyPolicy):
     name = "knorm"
+    has_kernel = True  # kernels/key_scores.py
 
     def key_score(self, k: torch.Tensor) -> torch.Tensor:
         return -torch.linalg.vector_norm(k, dim=-1)
