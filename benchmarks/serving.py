@@ -409,6 +409,11 @@ PLANS = {
                    ("evict", "prefill", ["--prefill-shapes", "8192:64", "32768:32", *PREFILL14_ARGS[4:],
                                          "--prefill-policies", "dropkv:uniform", "keydiff:uniform",
                                          "dropkv:adakv"], 300)],
+    # session 8: Ada-KV rounding on the device and the KeyDiff kernel (0425aeb): the three shapes,
+    # KeyDiff, SnapKV and DropKV + Ada-KV (DropKV uniform is unchanged since prefill14d)
+    "prefill14e": [("vanilla", "prefill", PREFILL14_ARGS, 200),
+                   ("evict", "prefill", PREFILL14_ARGS + ["--prefill-policies", "keydiff:uniform", "snapkv:uniform",
+                                                          "dropkv:adakv"], 390)],
     # the last call of session 4: the 8K shape and the prefill table on the same two engines
     "final13_14": [("vanilla", "e2e,prefill", ["--shapes", "8192:2048:32", "--prefill-shapes", "8192:32", "32768:16",
                                                "--ttft-lengths", "8192", "32768", "--repeats", "3",
