@@ -414,6 +414,11 @@ PLANS = {
     "prefill14e": [("vanilla", "prefill", PREFILL14_ARGS, 200),
                    ("evict", "prefill", PREFILL14_ARGS + ["--prefill-policies", "keydiff:uniform", "snapkv:uniform",
                                                           "dropkv:adakv"], 390)],
+    # the rest of prefill14e after its evict engine ran past the call's limit: 64 x 8K and 32 x 32K with TTFT
+    "prefill14f": [("vanilla", "prefill", ["--prefill-shapes", "8192:64", "32768:32", *PREFILL14_ARGS[4:]], 150),
+                   ("evict", "prefill", ["--prefill-shapes", "8192:64", "32768:32", *PREFILL14_ARGS[4:],
+                                         "--prefill-policies", "dropkv:adakv", "keydiff:uniform", "snapkv:uniform"],
+                    330)],
     # the last call of session 4: the 8K shape and the prefill table on the same two engines
     "final13_14": [("vanilla", "e2e,prefill", ["--shapes", "8192:2048:32", "--prefill-shapes", "8192:32", "32768:16",
                                                "--ttft-lengths", "8192", "32768", "--repeats", "3",
