@@ -14,6 +14,8 @@ Subclasses provide the cache adapter and the two kernel calls.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from vllm.model_executor.models.utils import extract_layer_index
 
@@ -21,8 +23,23 @@ from vllm_evict.engine import per_head
 from vllm_evict.engine.worker import STATE, per_head_graph_step
 
 
+def check_cache_dtype(cache_dtype: str) -> None:
+    """Refuse, at engine start, a KV cache dtype that eviction cannot handle yet (issue 21): compaction
+    copies and the per-head write store K/V in the model dtype, so an fp8 cache would fail mid-serving."""
+    if str(cache_dtype).startswith("fp8"):
+        raise ValueError(f"vllm-evict does not support an fp8 KV cache yet (--kv-cache-dtype {cache_dtype}): "
+                         "start with --kv-cache-dtype auto, or disable the plugin (VLLM_PLUGINS=none) to serve "
+                         "fp8 without eviction")
+
+
 class EvictionAttentionMixin:
     """Mixed into a stock AttentionImpl (CPU_ATTN or FLASH_ATTN)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        # before the stock impl's own checks: the user reads why eviction refuses the setting
+        bound = inspect.signature(super().__init__).bind(*args, **kwargs)
+        check_cache_dtype(bound.arguments["kv_cache_dtype"])
+        super().__init__(*args, **kwargs)
 
     def _paged_cache(self, layer, kv_cache):  # -> object with gather_prefix / write_pages / key_pages
         raise NotImplementedError
