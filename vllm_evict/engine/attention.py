@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
 
 from vllm_evict.engine import per_head
@@ -32,6 +33,15 @@ def check_cache_dtype(cache_dtype: str) -> None:
                          "fp8 without eviction")
 
 
+def check_pipeline_parallel(size: int) -> None:
+    """Refuse pipeline parallelism at engine start (issue 16): compaction covers all layers of a request
+    in one worker, and the scheduler's block accounting assumes it; neither is written or tested for
+    layers split across stages."""
+    if size > 1:
+        raise ValueError(f"vllm-evict does not support pipeline parallelism (--pipeline-parallel-size {size}): "
+                         "use --tensor-parallel-size, or disable the plugin (VLLM_PLUGINS=none)")
+
+
 class EvictionAttentionMixin:
     """Mixed into a stock AttentionImpl (CPU_ATTN or FLASH_ATTN)."""
 
@@ -39,6 +49,7 @@ class EvictionAttentionMixin:
         # before the stock impl's own checks: the user reads why eviction refuses the setting
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
         check_cache_dtype(bound.arguments["kv_cache_dtype"])
+        check_pipeline_parallel(get_current_vllm_config().parallel_config.pipeline_parallel_size)
         super().__init__(*args, **kwargs)
 
     def _paged_cache(self, layer, kv_cache):  # -> object with gather_prefix / write_pages / key_pages
