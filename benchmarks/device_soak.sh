@@ -1,36 +1,44 @@
 #!/usr/bin/env bash
 # Issue 18 GPU soak, one engine per call (after staging the vLLM bundle): the OpenAI server on loopback
 # (Llama-3.1-8B config, dummy weights) under benchmarks/load.py, then SIGTERM; JSON and logs under $OUT.
-#   bash benchmarks/device_soak.sh evict|vanilla SECONDS [CLIENTS]
+#   bash benchmarks/device_soak.sh evict|vanilla SECONDS [CLIENTS] [DIR]      (DIR defaults to $OUT)
 # evict: `vllm-evict serve` with the mixed eviction load; vanilla: stock `vllm serve` (only the bundle on
 # PYTHONPATH, no plugins) with the same load minus the eviction field (--mix none).
+# A 600 s soak plus engine start and drain outlasts one device call (600 s): start it detached in one call,
+# from a copy of the tree (the next call replaces the working tree under a running script)
+#   cp -r . /tmp/soakrepo && cd /tmp/soakrepo && \
+#     setsid nohup bash benchmarks/device_soak.sh evict 600 200 /tmp/soak > /tmp/soak.log 2>&1 &
+# and collect it in the next (back to back, so the machine stays warm):
+#   while [ ! -f /tmp/soak/done_evict ]; do sleep 5; done; cp /tmp/soak/* $OUT/
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh || exit 2
-engine=$1 seconds=$2 clients=${3:-200}
+engine=$1 seconds=$2 clients=${3:-200} dir=${4:-$OUT}
+mkdir -p "$dir"
 model=$(python3 -c "from vllm_evict.testing.tiny_models import write_real_config as w; print(w('llama-3.1-8b', '/tmp/models'))")
 args=("$model" --load-format dummy --max-model-len 8192 --port 8000 --shutdown-timeout 45)
 if [ "$engine" = evict ]; then
-  python3 -m vllm_evict.cli serve "${args[@]}" > "$OUT/server_$engine.log" 2>&1 &
+  python3 -m vllm_evict.cli serve "${args[@]}" > "$dir/server_$engine.log" 2>&1 &
   mix=mixed
 else
   PYTHONPATH=/tmp/vsite VLLM_PLUGINS=none python3 -m vllm.entrypoints.cli.main serve "${args[@]}" \
-    > "$OUT/server_$engine.log" 2>&1 &
+    > "$dir/server_$engine.log" 2>&1 &
   mix=none
 fi
 pid=$!
-python3 - <<'PY' || { echo "server did not come up"; tail -30 "$OUT/server_$engine.log"; kill $pid; exit 1; }
+up=$(python3 -c "
 import time, urllib.request
 for _ in range(300):
     try:
-        urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=2)
-        break
+        urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2); print('up'); break
     except Exception:
         time.sleep(1)
-else:
-    raise SystemExit(1)
-PY
+")
+if [ "$up" != up ]; then
+  echo "server did not come up"; tail -30 "$dir/server_$engine.log"; kill $pid; touch "$dir/done_$engine"; exit 1
+fi
 python3 benchmarks/load.py --url http://127.0.0.1:8000 --clients "$clients" --seconds "$seconds" --prompt-len 4096 \
-  --max-tokens 256 --mix "$mix" --pid $pid --out "$OUT/load_$engine.json" 2>&1 | tail -5
+  --max-tokens 256 --mix "$mix" --pid $pid --out "$dir/load_$engine.json" 2>&1 | tail -5
 t0=$(date +%s); kill -TERM $pid; wait $pid; echo "server exit $? after $(( $(date +%s) - t0 )) s"
-grep -ci "traceback\|error" "$OUT/server_$engine.log" | sed 's/^/server log error lines: /'
+grep -ci "traceback\|error" "$dir/server_$engine.log" | sed 's/^/server log error lines: /'
+touch "$dir/done_$engine"
