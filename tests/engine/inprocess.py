@@ -1,6 +1,8 @@
 import contextlib
 import os
 
+import pytest
+
 
 @contextlib.contextmanager
 def inprocess_llm(model, **overrides):
@@ -19,3 +21,17 @@ def inprocess_llm(model, **overrides):
             os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+
+
+@contextlib.contextmanager
+def two_cpu_workers():
+    """Environment for an engine with two CPU worker processes (TP=2 or PP=2) on one NUMA node: vLLM
+    binds each worker to a node of its own unless told which cores to use. vLLM caches its environment
+    after the first engine start in a process, so the cache is dropped for the new value to count."""
+    import vllm.envs
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        vllm.envs.disable_envs_cache()
+        yield
+    vllm.envs.disable_envs_cache()

@@ -72,26 +72,31 @@ def check_against_reference(out, expected, label):
 def test_every_policy_matches_reference_in_one_mixed_batch(engine, reference):
     """All policies x budgets x allocations plus plain requests, in the same engine steps (prompt longer
     than one 256-token prefill chunk; the copies of the prompt share prefix-cache blocks)."""
-    from vllm_evict.policies import EvictionConfig
-
     prompt = random_prompt(0, 450)
     cases = eviction_cases()
     requests = [None] + cases + [None]
     outputs = engine.generate([{"prompt_token_ids": prompt}] * len(requests), [params(c) for c in requests])
+    check_mixed_batch(outputs, cases, reference, prompt, MAX_TOKENS)
+
+
+def check_mixed_batch(outputs, cases, reference, prompt, max_tokens, label=""):
+    """outputs of [plain] + cases + [plain] on one prompt: each equals the reference and reports its
+    eviction; eviction changes the greedy output for most cases on this model (the check has teeth)."""
+    from vllm_evict.policies import EvictionConfig
+
     prefill = reference.prefill(prompt)
-    full = reference.generate(prompt, MAX_TOKENS, prefill=prefill)
-    check_against_reference(outputs[0], full, "no eviction")
-    check_against_reference(outputs[-1], full, "no eviction (last)")
+    full = reference.generate(prompt, max_tokens, prefill=prefill)
+    check_against_reference(outputs[0], full, f"{label}no eviction")
+    check_against_reference(outputs[-1], full, f"{label}no eviction (last)")
     changed = 0
     for case, out in zip(cases, outputs[1:-1]):
-        expected = reference.generate(prompt, MAX_TOKENS, EvictionConfig.from_dict(case), page_size=PAGE,
+        expected = reference.generate(prompt, max_tokens, EvictionConfig.from_dict(case), page_size=PAGE,
                                       prefill=prefill)
-        check_against_reference(out, expected, str(case))
+        check_against_reference(out, expected, f"{label}{case}")
         report = out.kv_transfer_params["vllm_evict"]
         assert report["policy"] == case["policy"] and report["blocks_freed"] > 0
         assert report["latency_ms"] > 0
         changed += expected.token_ids != full.token_ids
-    # The check has teeth: eviction changes the greedy output for most cases on this model.
     assert changed >= len(cases) // 2
 
 

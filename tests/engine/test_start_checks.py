@@ -43,12 +43,12 @@ def test_pipeline_parallel_is_refused():
 
 
 @pytest.mark.engine
-def test_engine_start_refuses_pipeline_parallel(capfd, monkeypatch):
+def test_engine_start_refuses_pipeline_parallel(capfd):
+    from tests.engine.inprocess import two_cpu_workers
     from vllm_evict.testing.engines import make_llm
     from vllm_evict.testing.tiny_models import ensure_tiny_model
 
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # two CPU workers on one NUMA node
-    with pytest.raises(Exception):
+    with two_cpu_workers(), pytest.raises(Exception):
         make_llm(ensure_tiny_model("llama"), pipeline_parallel_size=2, distributed_executor_backend="mp")
     out, err = capfd.readouterr()
     assert PP_MESSAGE in out + err

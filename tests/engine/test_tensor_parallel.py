@@ -5,12 +5,11 @@ pool can be read."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from tests.engine.inprocess import inprocess_llm
-from tests.engine.test_eviction import PAGE, check_against_reference, params, random_prompt, scheduler_of
+from tests.engine.inprocess import inprocess_llm, two_cpu_workers
+from tests.engine.test_eviction import (PAGE, check_against_reference, check_mixed_batch, params, random_prompt,
+                                       scheduler_of)
 
 pytestmark = pytest.mark.engine
 
@@ -19,18 +18,10 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    # vLLM's CPU workers bind one NUMA node each unless told which cores to use; CI has one node
-    old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    try:
+    with two_cpu_workers():
         with inprocess_llm(tiny_llama, block_size=PAGE, max_num_batched_tokens=256, tensor_parallel_size=2,
                            distributed_executor_backend="mp") as llm:
             yield llm
-    finally:
-        if old is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +35,6 @@ def test_uniform_policies_match_reference_in_one_mixed_batch(engine, reference):
     """Uniform allocation keeps each head's own top pages, so TP cannot change it: four policies and two
     budgets, plain requests around them, one prompt longer than a 256-token prefill chunk; tokens equal
     the reference and the block pool is back at idle afterwards."""
-    from vllm_evict.policies import EvictionConfig
-
     assert engine.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
     pool = scheduler_of(engine).kv_cache_manager.block_pool
     idle_free = pool.get_num_free_blocks()
@@ -54,18 +43,7 @@ def test_uniform_policies_match_reference_in_one_mixed_batch(engine, reference):
     requests = [None] + cases + [None]
     outputs = engine.generate([{"prompt_token_ids": prompt}] * len(requests),
                               [params(c, MAX_TOKENS) for c in requests])
-    prefill = reference.prefill(prompt)
-    full = reference.generate(prompt, MAX_TOKENS, prefill=prefill)
-    check_against_reference(outputs[0], full, "no eviction")
-    check_against_reference(outputs[-1], full, "no eviction (last)")
-    changed = 0
-    for case, out in zip(cases, outputs[1:-1]):
-        expected = reference.generate(prompt, MAX_TOKENS, EvictionConfig.from_dict(case), page_size=PAGE,
-                                      prefill=prefill)
-        check_against_reference(out, expected, f"TP=2 {case}")
-        assert out.kv_transfer_params["vllm_evict"]["blocks_freed"] > 0
-        changed += expected.token_ids != full.token_ids
-    assert changed >= len(cases) // 2  # eviction changes the output: the comparison has teeth
+    check_mixed_batch(outputs, cases, reference, prompt, MAX_TOKENS, label="TP=2 ")
     assert pool.get_num_free_blocks() == idle_free
 
 
