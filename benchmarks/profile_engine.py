@@ -127,7 +127,7 @@ def engine_profile(args, out_dir: Path) -> None:
     timed(core.scheduler, "schedule", "schedule")
     timed(core.scheduler, "update_from_output", "update")
     timed(core.model_executor, "execute_model", "execute")
-    ev = {"policy": "dropkv", "budget": budget, "allocation": "uniform"}
+    ev = {"policy": args.policy, "budget": budget, "allocation": args.allocation}
     if args.prefill_only:
         return prefill_profile(args, engine, add, table, ev, out_dir)
     variants = [("evicted", ev, args.prompt_len)] if args.evicted_only else \
@@ -254,6 +254,8 @@ def main():
     ap.add_argument("--shared-prefix", action="store_true")
     ap.add_argument("--evicted-only", action="store_true")
     ap.add_argument("--prefill-only", action="store_true", help="profile prefill passes, plain vs evicting")
+    ap.add_argument("--policy", default="dropkv")
+    ap.add_argument("--allocation", default="uniform", choices=["uniform", "adakv"])
     args = ap.parse_args()
     out_dir = Path(args.out_dir)
     if not args.prefill_only:
