@@ -156,37 +156,58 @@ def allocate_pages(
     rows = [i for i, p in enumerate(per_layer) if p is not None and p < p_max]
     if allocation == "adakv" and h > 1 and rows:
         index = torch.tensor(rows, device=layers.device)
-        out[rows] = adakv_pages(layers[index], torch.tensor([per_layer[i] for i in rows], device=layers.device),
-                                page_size=page_size,
-                                alpha=alpha, max_protected=max(r)).cpu()
+        out[rows] = adakv_pages(layers[index], [per_layer[i] for i in rows], page_size=page_size, alpha=alpha,
+                                max_protected=max(r)).cpu()
     return out[0] if scores.dim() == 2 else out
 
 
-def adakv_pages(scores: torch.Tensor, pages: torch.Tensor | int, *, page_size: int, alpha: float,
-                max_protected: int) -> torch.Tensor:
+def adakv_pages(scores: torch.Tensor, pages: int | list[int], *, page_size: int, alpha: float, max_protected: int,
+                sorted_scores: torch.Tensor | None = None) -> torch.Tensor:
     """Ada-KV pages per head (SPEC §3.4) [L, H] (int64, on the scores' device) for scores [L, H, n] with
-    P = `pages` ([L] or one int, P * page_size < n) per layer, without host synchronisation.
+    P = `pages` (one int, or one per layer; P * page_size < n), without host synchronisation.
 
-    r is read off the scores per layer, as the reference does; `max_protected` (the engine: the config's r)
-    bounds it, which bounds the units of the rounding's sort. alpha is exact as the decimal it prints as."""
+    `sorted_scores`: each head's scores in descending order, when the caller sorted them already (the
+    engine does, for its kept masks). r is read off the scores per layer, as the reference does;
+    `max_protected` (the engine: the config's r) bounds it, which bounds the units of the rounding's sort.
+    alpha is exact as the decimal it prints as."""
     num_layers, h, n = scores.shape
     device = scores.device
-    if isinstance(pages, int):  # built on the device: a pageable host-to-device copy would wait for the stream
-        pages = torch.full((num_layers,), pages, dtype=torch.int64, device=device)
+    per_layer = [pages] * num_layers if isinstance(pages, int) else list(pages)
     a = Fraction(repr(float(alpha)))
     # x_i = ((1-a) f_i + a B/H) / bs with B = P*H*bs, over the common denominator q*H*bs
     q, p_min_cap = a.denominator, -(-max(max_protected, 1) // page_size)
     units = h * p_min_cap
     if q * h * (2 * n + (units + 1) * page_size) >= 1 << 62:
         raise ValueError(f"alpha={alpha!r} has too many decimal digits for exact page rounding at n={n}")
-    order = torch.sort(scores.reshape(num_layers, h * n), dim=1, descending=True, stable=True).indices
-    in_top = torch.arange(h * n, device=device) < (pages * h * page_size).view(-1, 1)
-    f = torch.zeros(num_layers, h, dtype=torch.int64, device=device)
-    f.scatter_add_(1, order // n, in_top.to(torch.int64))  # step 1: the heads' shares of the global top-B
-    num = (q - a.numerator) * h * f + (a.numerator * h * page_size) * pages.view(-1, 1)
+    if sorted_scores is None:
+        sorted_scores = torch.sort(scores, dim=-1, descending=True).values
+    f = torch.empty(num_layers, h, dtype=torch.int64, device=device)
+    for p in set(per_layer):  # the engine: one P for all layers
+        rows = [i for i, pi in enumerate(per_layer) if pi == p]
+        index = torch.tensor(rows, device=device) if len(rows) < num_layers else slice(None)
+        f[index] = _head_counts(scores[index], sorted_scores[index], p * h * page_size)
+    if isinstance(pages, int):  # built on the device: a pageable host-to-device copy would wait for the stream
+        pages_t = torch.full((num_layers,), pages, dtype=torch.int64, device=device)
+    else:
+        pages_t = torch.tensor(per_layer, dtype=torch.int64).to(device)
+    num = (q - a.numerator) * h * f + (a.numerator * h * page_size) * pages_t.view(-1, 1)
     r = torch.isposinf(scores).sum(dim=-1).amax(dim=-1)
     p_min = torch.clamp((torch.clamp(r, min=1) + page_size - 1) // page_size, max=p_min_cap)
-    return _round_units(num, q * h * page_size, pages * h, p_min, -(-n // page_size), units)
+    return _round_units(num, q * h * page_size, pages_t * h, p_min, -(-n // page_size), units)
+
+
+def _head_counts(scores: torch.Tensor, sorted_scores: torch.Tensor, top: int) -> torch.Tensor:
+    """SPEC §3.4 step 1: f [L, H], each head's share of its layer's global stable top-`top` over the
+    head-major flattening of scores [L, H, n] (ties: lower flat index first), from the B-th largest score
+    tau and each head's counts above and at tau in its descending scores, without a global sort."""
+    num_layers, h, n = scores.shape
+    tau = torch.kthvalue(scores.reshape(num_layers, h * n), h * n - top + 1, dim=1).values
+    ascending = -sorted_scores
+    at = (-tau).view(-1, 1, 1).expand(num_layers, h, 1).contiguous()
+    above = torch.searchsorted(ascending, at, right=False).view(num_layers, h)   # scores > tau
+    ties = torch.searchsorted(ascending, at, right=True).view(num_layers, h) - above
+    need = top - above.sum(dim=1, keepdim=True)  # entries equal to tau in the top: lower heads take them first
+    return above + torch.clamp(need - (torch.cumsum(ties, dim=1) - ties), min=0).minimum(ties)
 
 
 def kept_counts(pages: torch.Tensor, n: int, page_size: int = 16) -> torch.Tensor:

@@ -10,13 +10,14 @@ def stable_order(scores: torch.Tensor) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices
 
 
-def keep_mask(scores: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+def keep_mask(scores: torch.Tensor, kept: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
     """Bool [H, n]: True for the kept[i] first entries of row i in stable descending order.
 
-    `kept` is an integer tensor [H] (any device) with 0 <= kept[i] <= n.
+    `kept` is an integer tensor [H] (any device) with 0 <= kept[i] <= n; `order` is stable_order(scores)
+    when the caller has it already.
     """
     h, n = scores.shape
-    order = stable_order(scores)
+    order = stable_order(scores) if order is None else order
     kept = kept.to(device=scores.device, dtype=torch.long).view(h, 1)
     rank_kept = torch.arange(n, device=scores.device).view(1, n) < kept
     mask = torch.zeros((h, n), dtype=torch.bool, device=scores.device)
