@@ -419,11 +419,13 @@ PLANS = {
                    ("evict", "prefill", ["--prefill-shapes", "8192:64", "32768:32", *PREFILL14_ARGS[4:],
                                          "--prefill-policies", "dropkv:adakv", "keydiff:uniform", "snapkv:uniform"],
                     330)],
-    # the 64 x 16K row of SnapKV and DropKV on the final code (prefill14e's was cut), no TTFT
-    "prefill14g": [("vanilla", "prefill", ["--prefill-shapes", "16384:64", "--ttft-lengths", "--max-model-len", "33280"],
-                    150),
-                   ("evict", "prefill", ["--prefill-shapes", "16384:64", "--ttft-lengths", "--max-model-len", "33280",
-                                         "--prefill-policies", "snapkv:uniform", "dropkv:uniform"], 220)],
+    # session 9: the 64 x 16K rows of SnapKV and DropKV that prefill14e lost, and DropKV + Ada-KV at 8K
+    # after its head counts lost the global sort (f076b6a)
+    "prefill14g": [("vanilla", "prefill", ["--prefill-shapes", "8192:64", "16384:64", "--ttft-lengths", "8192",
+                                           "--repeats", "3", "--max-model-len", "33280"], 180),
+                   ("evict", "prefill", ["--prefill-shapes", "8192:64", "16384:64", "--ttft-lengths", "8192",
+                                         "--repeats", "3", "--max-model-len", "33280", "--prefill-policies",
+                                         "snapkv:uniform", "dropkv:uniform", "dropkv:adakv"], 300)],
     # the last call of session 4: the 8K shape and the prefill table on the same two engines
     "final13_14": [("vanilla", "e2e,prefill", ["--shapes", "8192:2048:32", "--prefill-shapes", "8192:32", "32768:16",
                                                "--ttft-lengths", "8192", "32768", "--repeats", "3",

@@ -98,7 +98,7 @@ def _round_units(num: torch.Tensor, den: int, total: torch.Tensor, p_min: torch.
     The one-page-at-a-time loop is a selection: head i's m-th extra page has priority x_i - p_i - m (the loop
     picks the largest, equal: lower head), its m-th page given back x_i - p_i + m (smallest first, equal:
     higher head). A head's priorities are monotone in m, so the loop's `count` steps take the `count` best
-    units over all heads: one stable sort of [L, H * units]. `units` must bound what one head takes or gives
+    units over all heads: a stable sort of [L, H * units] each way. `units` must bound what one head takes or gives
     (allocate_pages: H * p_min at most)."""
     num_layers, h = num.shape
     p = torch.clamp(torch.maximum(num // den, p_min.view(-1, 1)), max=p_max)
