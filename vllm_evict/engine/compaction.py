@@ -27,7 +27,7 @@ import torch
 from vllm_evict.policies import keep_mask, kept_counts, score_tokens
 from vllm_evict.policies.budget import adakv_pages
 from vllm_evict.policies.config import EvictionConfig
-from vllm_evict.policies.selection import stable_order
+from vllm_evict.policies.selection import stable_sort
 
 # Gathered prompt K/V of one layer group: below the activation memory vLLM profiled for a forward pass
 # (the forward's activations are free when compaction runs), so the KV cache it sized is never short.
@@ -50,13 +50,13 @@ def select_group(config: EvictionConfig, q_window: torch.Tensor | None, keys: to
     scores = score_tokens(config.policy, q_window, keys, values, scale=scale, **config.score_options())
     rows, n = scores.shape
     heads = rows // num_layers
-    order = stable_order(scores)  # one sort per head serves the Ada-KV head counts and the kept mask
+    ordered, order = stable_sort(scores)  # one sort per head serves the Ada-KV head counts and the kept mask
     if config.allocation == "uniform" or heads == 1:
         page_counts = torch.full((rows,), pages, dtype=torch.int64, device=scores.device)
     else:
         page_counts = adakv_pages(scores.view(num_layers, heads, n), pages, page_size=page_size,
                                   alpha=config.alpha, max_protected=config.protected_count(n),
-                                  sorted_scores=scores.gather(1, order).view(num_layers, heads, n)).view(-1)
+                                  sorted_scores=ordered.view(num_layers, heads, n)).view(-1)
     return keep_mask(scores, kept_counts(page_counts, n, page_size), order), page_counts
 
 
@@ -76,11 +76,10 @@ def compaction_slots(keep: torch.Tensor, page_counts: torch.Tensor, fresh_blocks
     return torch.where(keep, slot, -1).transpose(-1, -2)
 
 
-def layer_groups(layers: list, prompt_len: int, num_heads: int, head_dim: int, itemsize: int,
-                 group_bytes: int = GROUP_BYTES) -> list[list]:
-    """Consecutive layers whose gathered K and V fit group_bytes together (at least one layer each)."""
+def layer_groups(layers: list, prompt_len: int, num_heads: int, head_dim: int, itemsize: int) -> list[list]:
+    """Consecutive layers whose gathered K and V fit GROUP_BYTES together (at least one layer each)."""
     per_layer = 2 * prompt_len * num_heads * head_dim * itemsize
-    size = max(1, group_bytes // per_layer)
+    size = max(1, GROUP_BYTES // per_layer)
     return [layers[i: i + size] for i in range(0, len(layers), size)]
 
 

@@ -84,7 +84,8 @@ class KeyPolicy(Policy):
 
     def base_scores(self, q_window, keys, values, *, pool_kernel: int, gqa: str, scale: float, **_: object) -> torch.Tensor:
         if _KEY_KERNEL is not None and keys.is_cuda and self.has_kernel:
-            return max_pool(_KEY_KERNEL(self.name, keys), pool_kernel)
-        out = torch.cat([self.key_score(chunk.to(torch.float32).transpose(0, 1))
-                         for chunk in keys.split(HEAD_CHUNK, dim=1)])
+            out = _KEY_KERNEL(self.name, keys)
+        else:
+            out = torch.cat([self.key_score(chunk.to(torch.float32).transpose(0, 1))
+                             for chunk in keys.split(HEAD_CHUNK, dim=1)])
         return max_pool(out, pool_kernel)

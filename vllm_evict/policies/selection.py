@@ -5,9 +5,15 @@ from __future__ import annotations
 import torch
 
 
+def stable_sort(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of scores [H, n] per row, in stable descending order (equal scores: lower index
+    first)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True)
+
+
 def stable_order(scores: torch.Tensor) -> torch.Tensor:
     """Indices of scores [H, n] per row, in stable descending order (equal scores: lower index first)."""
-    return torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    return stable_sort(scores).indices
 
 
 def keep_mask(scores: torch.Tensor, kept: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
