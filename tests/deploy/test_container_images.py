@@ -52,7 +52,7 @@ def _run_script(step: str, tmp_path: Path) -> tuple[str, dict[str, str]]:
         pytest.skip(reason)
     log = tmp_path / f"build_local-{step}.log"
     timings = tmp_path / "timings.txt"
-    env = {**os.environ, "TIMINGS_FILE": str(timings), "LOG_TAIL": "150"}
+    env = {**os.environ, "TIMINGS_FILE": str(timings), "LOG_TAIL": "40"}
     with open(log, "wb") as f:
         try:
             proc = subprocess.run(["bash", str(SCRIPT), step], stdout=f, stderr=subprocess.STDOUT, env=env,
@@ -75,8 +75,11 @@ def _dockerfile_healthcheck(name: str) -> list[str]:
     return json.loads(line.split(" CMD ", 1)[1])
 
 
-def _tail(path: Path, n: int = 120) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+def _tail(path: Path, n: int = 40) -> str:
+    """The log's error lines first (a report may show only the start of a long failure), then its last n."""
+    lines = path.read_text(errors="replace").splitlines()
+    errors = [ln for ln in lines if re.search(r"\berror\b|no space left|ERROR", ln, re.IGNORECASE)][-15:]
+    return "\n".join(["errors in the log:", *errors, f"last {n} lines:", *lines[-n:]])
 
 
 def test_cpu_image_builds_and_serves(tmp_path):
