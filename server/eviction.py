@@ -78,26 +78,27 @@ def resolve(request_eviction: Any, defaults: dict[str, Any]) -> Any:
         raise EvictionFieldError("eviction.policy is required (no server default policy is configured)")
     from vllm_evict.engine.request_config import EXTRA_ARGS_KEY as KEY, parse_request
 
-    try:  # the engine's own parser: policy fields, evict_at and engine-level limits, validated once
+    try:  # the engine's own parser: policy fields, evict_at / chunk_size and engine-level limits, validated once
         spec = parse_request({KEY: merged})
     except (ValueError, TypeError) as exc:
         raise EvictionFieldError(f"invalid eviction: {exc}") from exc
     if spec is None:
         return None
-    return spec.config if spec.evict_at is None else WithEvictAt(spec.config, spec.evict_at)
+    return spec.config if spec.to_dict() == spec.config.to_dict() else WithEngineFields(spec)
 
 
-class WithEvictAt:
-    """An EvictionConfig plus the engine-level `evict_at` (compress only the first k prompt tokens)."""
+class WithEngineFields:
+    """An EvictionConfig plus its request's engine-level fields (`evict_at`: compress only the first k
+    prompt tokens; `chunk_size`: the chunk of block-wise eviction)."""
 
-    def __init__(self, config: Any, evict_at: int) -> None:
-        self.config, self.evict_at = config, evict_at
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.config, name)
+        return getattr(self.spec.config, name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.config.to_dict(), "evict_at": self.evict_at}
+        return self.spec.to_dict()
 
 
 def to_extra_args(cfg: Any) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from vllm_evict.engine.request_config import EXTRA_ARGS_KEY, parse_request, reso
 from vllm_evict.policies import POLICIES  # noqa: E402
 
 FIELDS = ["policy", "budget", "allocation", "window", "pool_kernel", "sink", "gqa", "alpha", "caote_base",
-          "chunked", "evict_at"]
+          "chunked", "evict_at", "chunk_size"]
 json_scalars = (st.none() | st.booleans() | st.integers() | st.integers(min_value=-2**80, max_value=2**80)
                 | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12)
                 | st.sampled_from(list(POLICIES) + ["none", "uniform", "adakv", "mean", "max", "0.1", "1e400"]))

@@ -1,4 +1,4 @@
-"""The server passes the engine-level `evict_at` through and validates it."""
+"""The server passes the engine-level fields (`evict_at`, `chunk_size`) through and validates them."""
 
 import pytest
 
@@ -33,9 +33,25 @@ def test_no_eviction_is_explicit():
     assert extra == {"vllm_evict": {"policy": "none"}} and parse_request(extra) is None
 
 
-def test_engine_unsupported_chunked_is_a_field_error():
-    with pytest.raises(EvictionFieldError, match="chunked"):
-        resolve({"policy": "keydiff", "budget": 0.2, "chunked": True}, {})
+def test_chunked_keydiff_reaches_the_engine_with_its_chunk_size():
+    from vllm_evict.engine.request_config import parse_request
+
+    cfg = resolve({"policy": "keydiff", "budget": 0.2, "chunked": True, "chunk_size": 100}, {})
+    assert cfg.policy == "keydiff" and cfg.chunked
+    spec = parse_request(to_extra_args(cfg))
+    assert spec.chunk_size == 100 and spec.chunk_tokens(16) == 112  # rounded up to whole pages
+    default = parse_request(to_extra_args(resolve({"policy": "keydiff", "budget": 0.2, "chunked": True}, {})))
+    assert default.chunk_size is None and default.chunk_tokens(16) == 128
+
+
+@pytest.mark.parametrize("bad, field", [({"chunk_size": 64}, "chunk_size"),  # without chunked=true
+                                        ({"chunked": True, "chunk_size": 0}, "chunk_size"),
+                                        ({"chunked": True, "chunk_size": 1 << 21}, "chunk_size"),
+                                        ({"chunked": True, "evict_at": 300}, "evict_at"),
+                                        ({"chunked": True, "allocation": "adakv"}, "chunked")])
+def test_bad_chunked_settings_are_field_errors(bad, field):
+    with pytest.raises(EvictionFieldError, match=field):
+        resolve({"policy": "keydiff", "budget": 0.2, **bad}, {})
 
 
 def test_vllm_xargs_strings_are_typed_like_the_engine_types_them(monkeypatch):

@@ -85,11 +85,14 @@ def layer_groups(layers: list, prompt_len: int, num_heads: int, head_dim: int, i
 
 def compact_request(state, layers: list[tuple[int, object]], scale: float, prompt_blocks: torch.Tensor,
                     fresh_blocks: torch.Tensor) -> None:
-    """Score, select and move one request's kept prompt tokens into its P fresh blocks, in every layer.
+    """Score, select and move the tokens one request holds (its prompt up to the eviction point, or for
+    block-wise eviction its kept pages and the chunks since) into P blocks, in every layer.
 
     layers: (layer index, paged cache adapter) in layer order; `state` is the worker's WorkerEviction;
-    prompt_blocks / fresh_blocks: the request's block ids on the cache's device. Fills state.layers."""
-    E, N, cache = state.evict_at, state.page_size, layers[0][1]
+    prompt_blocks / fresh_blocks: the blocks read / written, on the cache's device. The written blocks may
+    be the first P read ones (block-wise eviction): each group is gathered whole before it is written.
+    Fills state.layers."""
+    E, N, cache = state.held, state.page_size, layers[0][1]
     H, D = cache.num_heads, cache.head_dim
     for group in layer_groups(layers, E, H, D, cache.dtype.itemsize):
         G, caches = len(group), [layer_cache for _, layer_cache in group]

@@ -17,8 +17,11 @@ from vllm_evict.policies._validate import check_int
 from vllm_evict.policies.config import parse_int_field
 
 EXTRA_ARGS_KEY = "vllm_evict"
-# Written by the scheduler for the workers: [E, P] of a request that evicts (absent: it evicts nothing).
+# Written by the scheduler for the workers: [E, P, C] of a request that evicts (absent: it evicts nothing);
+# C = 0 for one-shot eviction at E, else the chunk of block-wise eviction in tokens (whole pages).
 PLAN_KEY = "vllm_evict_plan"
+DEFAULT_CHUNK_SIZE = 128  # SPEC §4.3: the paper's block size
+MAX_CHUNK_SIZE = 1 << 20
 # Engine-level default for requests that say nothing (e.g. `{"policy": "snapkv", "budget": 0.2}` as JSON).
 DEFAULT_ENV = "VLLM_EVICT_DEFAULT"
 
@@ -26,22 +29,44 @@ DEFAULT_ENV = "VLLM_EVICT_DEFAULT"
 @dataclass(frozen=True)
 class RequestEviction:
     """What one request asked for. `evict_at` = tokens of the prompt prefix to compress (None = whole prompt):
-    the rest of the prompt (e.g. a question) is prefilled after eviction and attends to the kept cache."""
+    the rest of the prompt (e.g. a question) is prefilled after eviction and attends to the kept cache.
+    `chunk_size` (only with chunked=true, SPEC §4.3): prompt tokens per chunk of block-wise eviction."""
 
     config: EvictionConfig
     evict_at: int | None = None
+    chunk_size: int | None = None
 
     def eviction_point(self, num_prompt_tokens: int) -> int:
         if self.evict_at is None:
             return num_prompt_tokens
         return min(self.evict_at, num_prompt_tokens)
 
+    def chunk_tokens(self, page_size: int) -> int:
+        """The chunk of block-wise eviction rounded up to whole pages; 0 for one-shot eviction."""
+        if not self.config.chunked:
+            return 0
+        return -(-(self.chunk_size or DEFAULT_CHUNK_SIZE) // page_size) * page_size
+
     def to_dict(self) -> dict[str, Any]:
         """The nested request form (`_from_mapping(to_dict())` == self)."""
         d = self.config.to_dict()
         if self.evict_at is not None:
             d["evict_at"] = self.evict_at
+        if self.chunk_size is not None:
+            d["chunk_size"] = self.chunk_size
         return d
+
+
+def eviction_points(evict_at: int, pages: int, page_size: int, chunk: int) -> list[int]:
+    """The prompt positions at which a request compacts, in order; the last is E.
+
+    One-shot (chunk 0): [E]. Block-wise (SPEC §4.3): the prompt runs in chunks of `chunk` tokens, and a
+    chunk end at which the request holds more than P pages compacts it back to P pages: the first chunk
+    end past P*page_size, every chunk end after it (P pages plus a chunk), and E."""
+    if not chunk:
+        return [evict_at]
+    first = (pages * page_size // chunk + 1) * chunk
+    return [*range(first, evict_at, chunk), evict_at]
 
 
 def _from_mapping(spec: Mapping[str, Any]) -> RequestEviction | None:
@@ -51,12 +76,20 @@ def _from_mapping(spec: Mapping[str, Any]) -> RequestEviction | None:
     evict_at = spec.pop("evict_at", None)
     if evict_at is not None:
         evict_at = check_int("evict_at", evict_at, minimum=1)  # prompt tokens
+    chunk_size = spec.pop("chunk_size", None)
+    if chunk_size is not None:
+        chunk_size = check_int("chunk_size", chunk_size, minimum=1)
+        if chunk_size > MAX_CHUNK_SIZE:
+            raise ValueError(f"chunk_size must be at most {MAX_CHUNK_SIZE}, got {chunk_size}")
     config = EvictionConfig.from_dict(spec)
-    if config is not None and config.chunked:
-        # SPEC §4.3's block-wise KeyDiff needs repeated eviction during prefill; the engine evicts once.
-        raise ValueError("chunked=true (block-wise keydiff) is not supported by the engine yet; "
-                         "use chunked=false (one-shot keydiff at the end of the prompt)")
-    return None if config is None else RequestEviction(config, evict_at)
+    if config is None:
+        return None
+    if chunk_size is not None and not config.chunked:
+        raise ValueError(f"chunk_size={chunk_size} needs chunked=true (block-wise keydiff)")
+    if config.chunked and evict_at is not None:
+        raise ValueError("chunked=true evicts block-wise over the whole prompt; it cannot be combined with "
+                         f"evict_at={evict_at}")
+    return RequestEviction(config, evict_at, chunk_size)
 
 
 def flat_request(extra_args: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -65,10 +98,11 @@ def flat_request(extra_args: Mapping[str, Any] | None) -> dict[str, Any] | None:
     flat = dict(extra_args or {})
     if not any(str(k).startswith("eviction_") for k in flat):
         return None
-    evict_at = flat.pop("eviction_evict_at", None)
+    engine_fields = {name: flat.pop("eviction_" + name) for name in ("evict_at", "chunk_size")
+                     if "eviction_" + name in flat}
     fields = EvictionConfig.flat_fields(flat)
-    if evict_at is not None:  # typed like the config's integer fields; _from_mapping validates it
-        fields["evict_at"] = parse_int_field("evict_at", evict_at)
+    for name, value in engine_fields.items():  # typed like the config's integer fields; _from_mapping validates
+        fields[name] = parse_int_field(name, value)
     return fields
 
 

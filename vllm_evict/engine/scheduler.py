@@ -16,6 +16,12 @@ Life of an evicting request, as the scheduler sees it:
 4. From then on the manager sees the request with `removed = E - P*block_size` fewer computed tokens
    (positions and RoPE stay semantic on the worker) and never hashes its blocks again.
 Preemption frees everything; the recompute evicts again at the same point.
+
+Block-wise eviction (keydiff chunked=true, SPEC §4.3) repeats step 3 at every eviction point
+(request_config.eviction_points) and compacts in place: the kept pages are written into the request's
+first P blocks (the worker gathers the held tokens into a buffer first) and the rest are freed. Its
+blocks never enter the prefix cache, in either direction, because they are rewritten. So it never
+holds more than P + chunk/block_size blocks, and that, not the whole prompt, is what admission checks.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import RequestStatus
 
-from vllm_evict.engine.request_config import EXTRA_ARGS_KEY, PLAN_KEY, RequestEviction, parse_request
+from vllm_evict.engine.request_config import (EXTRA_ARGS_KEY, PLAN_KEY, RequestEviction, eviction_points,
+                                              parse_request)
 from vllm_evict.engine.worker import FAILED_ATTR, LATENCY_ATTR
 
 logger = init_logger(__name__)
@@ -41,16 +48,33 @@ logger = init_logger(__name__)
 @dataclass
 class SchedulerEviction:
     request: RequestEviction
-    evict_at: int          # E
+    points: list[int]      # eviction points, the last is E (one point unless block-wise)
     pages: int             # P
     window: int            # w: window queries the worker must compute itself
+    chunk: int = 0         # block-wise chunk in tokens (0: one-shot)
+    done: int = 0          # eviction points already scheduled
     swap_pending: bool = False
-    compacted: bool = False
-    removed: int = 0       # E - P*block_size once compacted
-    blocks_before: int = 0
+    removed: int = 0       # last eviction point - P*block_size once compacted
+    blocks_before: int = 0  # the most blocks held at a compaction
     prompt_tokens: int = 0
     latency_ms: float | None = None  # scoring + compaction, reported by the worker
     reported: bool = False           # the report went out on a step's output (before the request ends)
+
+    @property
+    def evict_at(self) -> int:
+        return self.points[-1]
+
+    @property
+    def next_point(self) -> int | None:
+        return self.points[self.done] if self.done < len(self.points) else None
+
+    @property
+    def compacted(self) -> bool:
+        return self.done > 0
+
+    @property
+    def in_place(self) -> bool:
+        return self.chunk > 0
 
 
 # vLLM's allocate_slots parameters after (self, request, num_new_tokens), and their defaults: passed through,
@@ -70,6 +94,8 @@ class EvictionKVCacheManager(KVCacheManager):
         ev = self.evictions.get(request.request_id)
         if ev is None or ev.compacted or num_hits == 0:
             return (blocks, num_hits, *rest)
+        if ev.in_place:  # compaction rewrites its blocks: they must be its own
+            return (self.empty_kv_cache_blocks, 0, *rest)
         # At least one token (and all w window tokens) before E must be computed here, so that a chunk
         # ends at E and the worker sees the window queries.
         limit = max(0, ev.evict_at - max(ev.window, 1)) // self.page_size * self.page_size
@@ -85,44 +111,65 @@ class EvictionKVCacheManager(KVCacheManager):
             return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
         if args:  # vLLM passes keywords; positional ones are named by its signature (checked by surface.py)
             kwargs.update(zip(_ALLOCATE_SLOTS_DEFAULTS, args))
+        given = {**_ALLOCATE_SLOTS_DEFAULTS, **kwargs}
+        chunk_end = (request.num_computed_tokens + given["num_new_computed_tokens"]
+                     + given["num_external_computed_tokens"] + num_new_tokens)
+        evicts = chunk_end == ev.next_point
+        if ev.in_place:
+            kwargs["delay_cache_blocks"] = True  # never hashed: compaction rewrites them
+            if given["full_sequence_must_fit"]:  # admission: its peak, not its prompt, must fit
+                kwargs["full_sequence_must_fit"] = False
+                if self._blocks_short(request, ev):
+                    return None
         if ev.compacted:
             # Physical accounting: the manager sees the compacted length; never hash compacted blocks.
             kwargs["delay_cache_blocks"] = True
             request.num_computed_tokens -= ev.removed
             try:
-                return super().allocate_slots(request, num_new_tokens, **kwargs)
+                new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
             finally:
                 request.num_computed_tokens += ev.removed
-        given = {**_ALLOCATE_SLOTS_DEFAULTS, **kwargs}
-        chunk_end = (request.num_computed_tokens + given["num_new_computed_tokens"]
-                     + given["num_external_computed_tokens"] + num_new_tokens)
-        if chunk_end != ev.evict_at:
-            return super().allocate_slots(request, num_new_tokens, **kwargs)
-        # The chunk that ends at E: allocate it together with P fresh destination blocks.
-        kwargs["reserved_blocks"] = given["reserved_blocks"] + ev.pages
-        new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
-        if new_blocks is None:
-            return None
-        fresh = self.block_pool.get_new_blocks(ev.pages)
-        manager = self.coordinator.single_type_managers[0]
-        manager.req_to_blocks[request.request_id].extend(fresh)
-        ev.swap_pending = True  # swapped in _update_after_schedule, once this step's block ids are sent
-        return KVCacheBlocks((list(new_blocks.blocks[0]) + list(fresh),))
+        elif evicts and not ev.in_place:
+            # The chunk that ends at E: allocate it together with P fresh destination blocks.
+            kwargs["reserved_blocks"] = given["reserved_blocks"] + ev.pages
+            new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
+            if new_blocks is None:
+                return None
+            fresh = self.block_pool.get_new_blocks(ev.pages)
+            manager = self.coordinator.single_type_managers[0]
+            manager.req_to_blocks[request.request_id].extend(fresh)
+            new_blocks = KVCacheBlocks((list(new_blocks.blocks[0]) + list(fresh),))
+        else:
+            new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
+        if evicts and new_blocks is not None:
+            ev.swap_pending = True  # swapped in _update_after_schedule, once this step's block ids are sent
+        return new_blocks
+
+    def _blocks_short(self, request, ev: SchedulerEviction) -> bool:
+        """Whether the free pool lacks what a block-wise request holds at its peak: P pages and a chunk."""
+        peak = ev.pages + ev.chunk // self.page_size
+        held = len(self.coordinator.single_type_managers[0].req_to_blocks.get(request.request_id, ()))
+        return peak - held > self.block_pool.get_num_free_blocks()
 
     def swap_to_compacted(self, request_id: str, ev: SchedulerEviction) -> None:
-        """After the compaction step was scheduled: keep only the P fresh blocks, free the prompt blocks.
+        """After a compaction step was scheduled: keep the P blocks that hold the kept pages (the fresh ones,
+        or the first P when compacting in place), free the rest.
 
         Freed now, read by the worker in the step just scheduled; any reuse happens in a later step."""
         manager = self.coordinator.single_type_managers[0]
         blocks = manager.req_to_blocks[request_id]
-        prompt_blocks, fresh = blocks[: -ev.pages], blocks[-ev.pages:]
-        ev.blocks_before = len(prompt_blocks)
-        manager.req_to_blocks[request_id] = fresh
-        manager.num_cached_block[request_id] = len(fresh)
-        self.block_pool.free_blocks(reversed(prompt_blocks))
+        if ev.in_place:
+            kept, freed = blocks[: ev.pages], blocks[ev.pages:]
+            ev.blocks_before = max(ev.blocks_before, len(blocks))
+        else:
+            kept, freed = blocks[-ev.pages:], blocks[: -ev.pages]
+            ev.blocks_before = len(freed)
+        manager.req_to_blocks[request_id] = kept
+        manager.num_cached_block[request_id] = len(kept)
+        self.block_pool.free_blocks(reversed(freed))
+        ev.removed = ev.next_point - ev.pages * self.page_size
+        ev.done += 1
         ev.swap_pending = False
-        ev.compacted = True
-        ev.removed = ev.evict_at - ev.pages * self.page_size
 
 
 class _EvictionSchedulerMixin:
@@ -162,11 +209,12 @@ class _EvictionSchedulerMixin:
         pages = spec.config.num_pages(evict_at, self.block_size)
         if pages is None:
             return
+        chunk = spec.chunk_tokens(self.block_size)
         params = request.sampling_params
-        params.extra_args = {**(params.extra_args or {}), PLAN_KEY: [evict_at, pages]}  # the workers' E and P
+        params.extra_args = {**(params.extra_args or {}), PLAN_KEY: [evict_at, pages, chunk]}  # for the workers
         self.evictions[request.request_id] = SchedulerEviction(
-            request=spec, evict_at=evict_at, pages=pages, window=spec.config.window_size(),
-            prompt_tokens=request.num_prompt_tokens)
+            request=spec, points=eviction_points(evict_at, pages, self.block_size, chunk), pages=pages,
+            window=spec.config.window_size(), chunk=chunk, prompt_tokens=request.num_prompt_tokens)
 
     def _mamba_block_aligned_split(self, request, num_new_tokens, num_new_local_computed_tokens=0,
                                    num_external_computed_tokens=0):
@@ -174,16 +222,16 @@ class _EvictionSchedulerMixin:
             num_new_tokens = super()._mamba_block_aligned_split(
                 request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)
         ev = self.evictions.get(request.request_id)
-        if ev is None or ev.compacted or ev.swap_pending:
+        if ev is None or ev.swap_pending or ev.next_point is None:
             return num_new_tokens
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
-        return min(num_new_tokens, max(ev.evict_at - start, 0)) if start < ev.evict_at else num_new_tokens
+        return min(num_new_tokens, ev.next_point - start) if start < ev.next_point else num_new_tokens
 
     def _preempt_request(self, request, timestamp) -> None:
         super()._preempt_request(request, timestamp)
         ev = self.evictions.get(request.request_id)
-        if ev is not None:  # everything was freed; the recompute evicts again at the same point
-            ev.compacted, ev.swap_pending, ev.removed = False, False, 0
+        if ev is not None:  # everything was freed; the recompute evicts again at the same points
+            ev.done, ev.swap_pending, ev.removed = 0, False, 0
 
     def _update_after_schedule(self, scheduler_output) -> None:
         super()._update_after_schedule(scheduler_output)
@@ -198,7 +246,7 @@ class _EvictionSchedulerMixin:
             ev = self.evictions.get(req_id)
             if ev is not None:
                 ev.latency_ms = (ev.latency_ms or 0.0) + ms
-                if ev.compacted and not ev.reported:
+                if ev.compacted and ev.next_point is None and not ev.reported:  # its last compaction
                     ready.append(req_id)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if ready:
@@ -261,6 +309,7 @@ class _EvictionSchedulerMixin:
             "blocks_before": ev.blocks_before,
             "blocks_after": ev.pages,
             "blocks_freed": ev.blocks_before - ev.pages,
+            **({"chunk_size": ev.chunk, "compactions": ev.done} if ev.in_place else {}),
             **({"latency_ms": round(ev.latency_ms, 3)} if ev.latency_ms is not None else {}),
         }
 

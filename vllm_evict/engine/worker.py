@@ -26,7 +26,7 @@ from vllm.forward_context import BatchDescriptor, get_forward_context, is_forwar
 from vllm.logger import init_logger
 
 from vllm_evict.engine.compaction import LayerCompaction, compact_request
-from vllm_evict.engine.request_config import PLAN_KEY, RequestEviction, parse_request
+from vllm_evict.engine.request_config import PLAN_KEY, RequestEviction, eviction_points, parse_request
 
 logger = init_logger(__name__)
 
@@ -39,15 +39,33 @@ class WorkerEviction:
     pages: int                          # P
     window: int                         # w
     page_size: int
+    chunk: int = 0                      # block-wise chunk in tokens (0: one-shot eviction at E)
     q_window: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [w, Hq, D]
     layers: dict[int, LayerCompaction] = field(default_factory=dict)  # filled during the compaction step
     stacked: tuple | None = None        # per_head.stacked_counts: all layers' page counts, built once
-    compacted: bool = False             # True from the step after compaction
+    done: int = 0                       # compactions finished (counted from the step after each)
+    shift: int = 0                      # semantic minus physical positions once compacted
     prompt_blocks: int = 0              # cdiv(E, page_size): prompt blocks before the P fresh ones
-    prompt_block_ids: list[int] = field(default_factory=list)  # the prompt blocks (set for the compaction step)
-    fresh_blocks: list[int] = field(default_factory=list)  # the P fresh block ids (set for the compaction step)
+    prompt_block_ids: list[int] = field(default_factory=list)  # the blocks read by the compaction step
+    fresh_blocks: list[int] = field(default_factory=list)  # the P blocks it writes (set for that step)
     serial: int = field(default_factory=itertools.count().__next__)  # unique per eviction (cache keys)
     failed: bool = False                # its compaction raised: it runs as stock until the scheduler ends it
+
+    def __post_init__(self) -> None:
+        self.points = eviction_points(self.evict_at, self.pages, self.page_size, self.chunk)
+
+    @property
+    def compacted(self) -> bool:
+        return self.done > 0
+
+    @property
+    def next_point(self) -> int | None:
+        return self.points[self.done] if self.done < len(self.points) else None
+
+    @property
+    def held(self) -> int:
+        """Tokens the request holds in its blocks at its next eviction point."""
+        return self.next_point - self.shift
 
     @property
     def stock_layout(self) -> bool:
@@ -55,10 +73,6 @@ class WorkerEviction:
         the request is a stock request whose positions are shifted by `shift`. So does a failed compaction
         (no per-head layout to read) until the scheduler finishes the request with an error."""
         return self.failed or self.spec.config.allocation == "uniform"
-
-    @property
-    def shift(self) -> int:
-        return self.evict_at - self.pages * self.page_size
 
 
 @dataclass
@@ -150,11 +164,11 @@ class WorkerEvictionState:
         extra_args = (req.sampling_params.extra_args if req and req.sampling_params else None) or {}
         if PLAN_KEY not in extra_args:  # the scheduler found nothing to evict
             return None
-        evict_at, pages = extra_args[PLAN_KEY]
+        evict_at, pages, chunk = extra_args[PLAN_KEY]
         spec = parse_request(extra_args)  # the scheduler read it, so it is readable
         page_size = runner.cache_config.block_size
         return WorkerEviction(req_id=req_id, spec=spec, evict_at=evict_at, pages=pages,
-                              window=spec.config.window_size(), page_size=page_size,
+                              window=spec.config.window_size(), page_size=page_size, chunk=chunk,
                               prompt_blocks=-(-evict_at // page_size))
 
     def _forget(self, req_id: str) -> None:
@@ -173,11 +187,15 @@ class WorkerEvictionState:
             req = runner.requests.get(req_id)
             if req is None:
                 continue
-            req.block_ids = (req.block_ids[0][state.prompt_blocks:],) + tuple(req.block_ids[1:])
+            # the blocks the scheduler kept: the first P (compacted in place) or all after the prompt's
+            blocks = req.block_ids[0]
+            blocks = blocks[: state.pages] if state.chunk else blocks[state.prompt_blocks:]
+            req.block_ids = (blocks,) + tuple(req.block_ids[1:])
             row = runner.input_batch.req_id_to_index.get(req_id)
             if row is not None:
                 runner.input_batch.block_table.add_row(req.block_ids, row)
-            state.compacted = True
+            state.shift = state.next_point - state.pages * state.page_size
+            state.done += 1
             state.q_window.clear()
         self.pending_strip.clear()
 
@@ -217,24 +235,29 @@ class WorkerEvictionState:
                 if not state.stock_layout:
                     per_head_rows.append(row)
                     per_head_tokens.extend(range(token_start, token_start + count))
+            point = state.next_point
+            if point is None or state.failed:
                 continue
             computed = int(batch.num_computed_tokens_cpu[row])
-            lo = max(computed, state.evict_at - state.window)
-            hi = min(computed + count, state.evict_at)
+            lo = max(computed, point - state.window)
+            hi = min(computed + count, point)
             if hi > lo:
-                captures.append(Capture(state, token_start + lo - computed, hi - lo,
-                                        lo - (state.evict_at - state.window)))
-            if computed + count == state.evict_at:
+                captures.append(Capture(state, token_start + lo - computed, hi - lo, lo - (point - state.window)))
+            if computed + count == point:
                 compacting.append(row)
                 blocks = runner.requests[state.req_id].block_ids[0]
-                state.prompt_block_ids = list(blocks[: state.prompt_blocks])
-                state.fresh_blocks = list(blocks[state.prompt_blocks: state.prompt_blocks + state.pages])
+                if state.chunk:  # in place: from the blocks it holds into the first P of them
+                    state.prompt_block_ids = list(blocks[: -(-state.held // state.page_size)])
+                    state.fresh_blocks = list(blocks[: state.pages])
+                else:
+                    state.prompt_block_ids = list(blocks[: state.prompt_blocks])
+                    state.fresh_blocks = list(blocks[state.prompt_blocks: state.prompt_blocks + state.pages])
                 self.pending_strip[state.req_id] = state
-            elif computed + count > state.evict_at:
-                logger.error("vllm-evict: request %s passed its eviction point without a chunk "
-                             "boundary there; not evicting it", state.req_id)
-                del self.requests[state.req_id]
-                states[row] = None
+            elif computed + count > point:
+                self._passed_point(state)
+                if not state.compacted:
+                    del self.requests[state.req_id]
+                    states[row] = None
         plan = StepPlan(num_reqs=num_reqs, states=states, captures=captures, compacting=compacting,
                         compacted_rows=compacted_rows, per_head_rows=per_head_rows,
                         per_head_tokens=per_head_tokens, page_size=runner.cache_config.block_size,
@@ -246,6 +269,15 @@ class WorkerEvictionState:
         if compacted_rows:
             shift_positions(runner, plan)
         self.plan = plan
+
+    def _passed_point(self, state: WorkerEviction) -> None:
+        """A chunk ran past an eviction point (the scheduler cuts chunks there; this is a bug). A request
+        not yet compacted runs on without eviction; a compacted one cannot: it fails."""
+        logger.error("vllm-evict: request %s passed its eviction point without a chunk boundary there; %s",
+                     state.req_id, "failing it" if state.compacted else "not evicting it")
+        if state.compacted:
+            state.failed = True
+            self.failed[state.req_id] = "a prefill chunk passed its eviction point"
 
     def compact(self) -> None:
         """After the forward: compact every request whose chunk ended at its eviction point, all layers
@@ -273,7 +305,7 @@ class WorkerEvictionState:
 
 def shift_positions(runner, plan: StepPlan) -> None:
     """Attention sees compacted rows at their physical length: seq_lens and the KV slots of their tokens
-    use positions lowered by E - P*page_size (RoPE keeps the semantic positions in runner.positions).
+    use positions lowered by their shift (RoPE keeps the semantic positions in runner.positions).
 
     For stock-layout rows this is all eviction needs, and it works inside vLLM's FULL CUDA graphs (both
     tensors are the runner's persistent buffers, rewritten in place before the graph replays)."""

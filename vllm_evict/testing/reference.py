@@ -113,10 +113,49 @@ class ReferenceDecoder:
             values = [v[:, h] if keep is None else v[keep[h], h] for h in range(self.num_kv_heads)]
             kv.append((keys, values))
             kept_per_layer.append([kh.shape[0] for kh in keys])
-        # Continue token by token: the rest of the prompt (if evict_at < n), then greedy decoding.
+        return self._decode(kv, last_hidden, list(prompt_ids[E:]), E, max_tokens, kept_per_layer)
+
+    @torch.no_grad()
+    def generate_chunked(self, prompt_ids: list[int], max_tokens: int, config: EvictionConfig, chunk: int,
+                         page_size: int = 16) -> ReferenceResult:
+        """Greedy tokens under block-wise eviction during prefill (SPEC §4.3): the prompt is prefilled in
+        chunks of `chunk` tokens; each chunk attends to the tokens its layer holds plus itself (causally),
+        and after it every head holding more than P pages (P from the whole prompt) is cut back to its
+        P*page_size best tokens by `config`'s scores recomputed on what it holds now."""
+        model = self.model.model
+        n = len(prompt_ids)
+        pages = config.num_pages(n, page_size)
+        limit = None if pages is None else pages * page_size
+        empty = torch.empty(0, self.head_dim, device=self.device)
+        kv = [([empty] * self.num_kv_heads, [empty] * self.num_kv_heads) for _ in model.layers]
+        for start in range(0, n, chunk):
+            ids = prompt_ids[start: start + chunk]
+            hidden = model.embed_tokens(torch.tensor(ids, device=self.device))
+            positions = torch.arange(start, start + len(ids), device=self.device)
+            for layer, (keys, values) in zip(model.layers, kv):
+                q, k, v = self._layer_qkv(layer, hidden, positions)
+                held = keys[0].shape[0]
+                keys[:] = [torch.cat([keys[h], k[:, h]]) for h in range(self.num_kv_heads)]
+                values[:] = [torch.cat([values[h], v[:, h]]) for h in range(self.num_kv_heads)]
+                hidden = self._finish_layer(layer, hidden, self._attend(q, keys, values, causal_offset=held))
+                if limit is not None and held + len(ids) > limit:
+                    k_held, v_held = torch.stack(keys, dim=1), torch.stack(values, dim=1)  # [held, H, D]
+                    w = config.window_size()
+                    scores = score_tokens(config.policy, q[len(ids) - w:] if w else q[:0], k_held, v_held,
+                                          scale=self.scale, **config.score_options())
+                    keep = select_tokens(scores, limit, page_size=page_size, **config.select_options())
+                    keys[:] = [k_held[keep[h], h] for h in range(self.num_kv_heads)]
+                    values[:] = [v_held[keep[h], h] for h in range(self.num_kv_heads)]
+            last_hidden = hidden[-1:]
+        kept_per_layer = [[kh.shape[0] for kh in keys] for keys, _ in kv]
+        return self._decode(kv, last_hidden, [], n, max_tokens, kept_per_layer)
+
+    def _decode(self, kv, last_hidden, pending: list[int], pos: int, max_tokens: int,
+                kept_per_layer: list[list[int]]) -> ReferenceResult:
+        """Token by token over the per-head caches `kv` from position `pos`: the `pending` prompt tokens
+        (the rest of the prompt after evict_at), then greedy decoding from `last_hidden`."""
+        model = self.model.model
         tokens, logprobs, top5 = [], [], []
-        pending = list(prompt_ids[E:])
-        pos = E
         while len(tokens) < max_tokens:
             if not pending:
                 logits = self.model.lm_head(model.norm(last_hidden))[0].float()
