@@ -49,6 +49,10 @@ def build_parser():
     group.add_argument("--default-eviction-budget", default=None,
                        help="ratio in (0, 1] like 0.1, or a token count like 2048")
     group.add_argument("--default-eviction-allocation", default=None, help="uniform | adakv")
+    group.add_argument("--allow-long-prompts", action="store_true",
+                       help="let --max-model-len exceed the KV cache: longer prompts run if they evict block-wise "
+                            "(keydiff chunked=true); a request that can never fit fails (sets "
+                            "VLLM_EVICT_ALLOW_LONG_PROMPTS=1)")
     limits = parser.add_argument_group("request limits (over one: a 400 naming it; see docs/OPERATIONS.md)")
     limits.add_argument("--max-n", type=int, default=None,
                         help="most sequences per request (`n`); sets vLLM's VLLM_MAX_N_SEQUENCES (default 16384)")
@@ -124,6 +128,10 @@ def serve(argv: list[str]) -> int:
 
     if defaults:
         os.environ[DEFAULT_ENV] = json.dumps(defaults)
+    if args.allow_long_prompts:
+        from vllm_evict.engine.plugin import LONG_PROMPTS_ENV
+
+        os.environ[LONG_PROMPTS_ENV] = "1"  # read by the engine core process at start-up
     if args.max_n is not None:
         if args.max_n < 1:
             print(f"vllm-evict serve: --max-n must be >= 1, got {args.max_n}", file=sys.stderr)

@@ -133,8 +133,8 @@ def test_compact_then_decode_matches_explicit(allocation):
     cache.write_pages(keys.reshape(E * H, D), values.reshape(E * H, D), slots.reshape(-1))
 
     config = EvictionConfig.from_dict({"policy": "keydiff", "budget": 32, "allocation": allocation})
-    state = WorkerEviction(req_id="r", spec=RequestEviction(config), evict_at=E, pages=P, window=0, page_size=N,
-                           compacted=True)
+    state = WorkerEviction(req_id="r", spec=RequestEviction(config), evict_at=E, pages=P, window=0, page_size=N)
+    state.advance()  # compacted
     state.layers[0] = layout
     # one decode step at position E+3 after 3 tail tokens; tail block 40
     tail_block = 40

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 _registered = False
+# Set (to 1) by `vllm-evict serve --allow-long-prompts`: --max-model-len may exceed the KV cache.
+LONG_PROMPTS_ENV = "VLLM_EVICT_ALLOW_LONG_PROMPTS"
 
 
 def register() -> None:
@@ -16,7 +20,6 @@ def register() -> None:
     from vllm_evict.engine import surface
 
     surface.check("engine")  # before any hook: refuse a vLLM whose patched internals changed shape
-    import os
 
     # The runner hooks target vLLM's V1 GPU model runner (the CPU runner is V1 too).
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -33,6 +36,7 @@ def register() -> None:
 
     install_runner_hooks()
     _install_request_validation()
+    _allow_prompts_beyond_kv_cache()
     import sys
 
     if "vllm.entrypoints.openai.api_server" in sys.modules:  # the API process of `vllm serve`
@@ -74,3 +78,31 @@ def _install_request_validation() -> None:
 
     InputProcessor._validate_params = _validate_params
     InputProcessor._vllm_evict_validates = True
+
+
+def _allow_prompts_beyond_kv_cache() -> None:
+    """vLLM refuses to start when one --max-model-len sequence does not fit the KV cache. Block-wise
+    eviction (keydiff chunked=true) holds at most P + chunk/block_size blocks whatever its prompt, so with
+    $VLLM_EVICT_ALLOW_LONG_PROMPTS set (read when the engine starts) that refusal becomes a warning; the
+    scheduler fails, at arrival, each request that could never fit the cache even alone
+    (scheduler.peak_blocks)."""
+    from vllm.logger import init_logger
+    from vllm.v1.core import kv_cache_utils
+
+    if getattr(kv_cache_utils, "_vllm_evict_long_prompts", False):
+        return
+    original = kv_cache_utils._check_enough_kv_cache_memory
+    logger = init_logger(__name__)
+
+    def _check_enough_kv_cache_memory(available_memory, get_needed_memory, max_model_len, estimate_max_model_len):
+        if os.environ.get(LONG_PROMPTS_ENV, "") in ("", "0"):
+            return original(available_memory, get_needed_memory, max_model_len, estimate_max_model_len)
+        original(available_memory, lambda: 0, max_model_len, estimate_max_model_len)  # no cache at all: refused
+        if get_needed_memory() > available_memory:
+            logger.warning("vllm-evict (%s): --max-model-len %d does not fit the KV cache (about %d tokens); "
+                           "longer requests run only if they evict block-wise (keydiff chunked=true), others "
+                           "that cannot fit fail with an error", LONG_PROMPTS_ENV, max_model_len,
+                           estimate_max_model_len(available_memory))
+
+    kv_cache_utils._check_enough_kv_cache_memory = _check_enough_kv_cache_memory
+    kv_cache_utils._vllm_evict_long_prompts = True

@@ -172,6 +172,16 @@ class EvictionKVCacheManager(KVCacheManager):
         ev.swap_pending = False
 
 
+def peak_blocks(num_tokens: int, block_size: int, ev: SchedulerEviction | None) -> int:
+    """The most blocks a request of `num_tokens` (prompt + max_tokens) holds when it runs alone: its
+    whole sequence; with one-shot eviction, P fresh blocks next to the prompt up to E, or P and the tokens
+    after E; block-wise, P and a chunk, or P and the tokens after the prompt."""
+    if ev is None:
+        return -(-num_tokens // block_size)
+    after = -(-(num_tokens - ev.evict_at) // block_size)
+    return ev.pages + max(ev.chunk // block_size if ev.in_place else -(-ev.evict_at // block_size), after)
+
+
 class _EvictionSchedulerMixin:
     """Adds eviction bookkeeping to vLLM's Scheduler (sync) or AsyncScheduler."""
 
@@ -203,18 +213,28 @@ class _EvictionSchedulerMixin:
             logger.error("vllm-evict: request %s rejected: %s", request.request_id, exc)
             self._fail(request)
             return
-        if spec is None:
-            return
+        ev = None if spec is None else self._plan(request, spec)
+        usable = self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # less vLLM's null block
+        peak = peak_blocks(request.num_prompt_tokens + request.max_tokens, self.block_size, ev)
+        if peak > usable:  # it would wait, or be preempted and recomputed, forever
+            logger.error("vllm-evict: request %s can never fit the KV cache: it holds %d blocks at its peak, the "
+                         "cache has %d; shorten it or evict block-wise (keydiff chunked=true)",
+                         request.request_id, peak, usable)
+            self._fail(request)
+
+    def _plan(self, request, spec: RequestEviction) -> SchedulerEviction | None:
+        """The request's eviction points and P, also handed to the workers; None if it evicts nothing."""
         evict_at = spec.eviction_point(request.num_prompt_tokens)
         pages = spec.config.num_pages(evict_at, self.block_size)
         if pages is None:
-            return
+            return None
         chunk = spec.chunk_tokens(self.block_size)
         params = request.sampling_params
         params.extra_args = {**(params.extra_args or {}), PLAN_KEY: [evict_at, pages, chunk]}  # for the workers
-        self.evictions[request.request_id] = SchedulerEviction(
+        ev = self.evictions[request.request_id] = SchedulerEviction(
             request=spec, points=eviction_points(evict_at, pages, self.block_size, chunk), pages=pages,
             window=spec.config.window_size(), chunk=chunk, prompt_tokens=request.num_prompt_tokens)
+        return ev
 
     def _mamba_block_aligned_split(self, request, num_new_tokens, num_new_local_computed_tokens=0,
                                    num_external_computed_tokens=0):

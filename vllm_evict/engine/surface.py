@@ -52,6 +52,9 @@ SURFACE: dict[str, dict[str, str]] = {
         _SCHEDULER + "update_from_output": "self, scheduler_output, model_runner_output",
         # called: a request whose eviction the engine cannot read ends with FINISHED_ERROR
         _SCHEDULER + "finish_requests": "self, request_ids, finished_status",
+        # plugin.py: the start-up check relaxed by VLLM_EVICT_ALLOW_LONG_PROMPTS
+        "vllm.v1.core.kv_cache_utils:_check_enough_kv_cache_memory":
+            "available_memory, get_needed_memory, max_model_len, estimate_max_model_len",
     },
     "serving": {  # serving.py: hooks into vLLM's OpenAI server (API process only)
         "vllm.entrypoints.openai.chat_completion.protocol:ChatCompletionRequest.to_sampling_params":

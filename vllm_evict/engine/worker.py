@@ -58,6 +58,11 @@ class WorkerEviction:
     def compacted(self) -> bool:
         return self.done > 0
 
+    def advance(self) -> None:
+        """The compaction at the next eviction point has run: positions shift by that point - P pages."""
+        self.shift = self.next_point - self.pages * self.page_size
+        self.done += 1
+
     @property
     def next_point(self) -> int | None:
         return self.points[self.done] if self.done < len(self.points) else None
@@ -194,8 +199,7 @@ class WorkerEvictionState:
             row = runner.input_batch.req_id_to_index.get(req_id)
             if row is not None:
                 runner.input_batch.block_table.add_row(req.block_ids, row)
-            state.shift = state.next_point - state.pages * state.page_size
-            state.done += 1
+            state.advance()
             state.q_window.clear()
         self.pending_strip.clear()
 
