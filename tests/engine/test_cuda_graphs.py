@@ -2,7 +2,9 @@
 
 One mixed batch: plain requests, uniformly compacted requests (stock attention with shifted lengths
 and slots, replayed inside vLLM's FULL decode graphs) and Ada-KV-compacted ones (per-head attention,
-replayed inside per-head FULL decode graphs). The Ada-KV requests stop early, so the decode steps
+replayed inside per-head FULL decode graphs), plus a block-wise KeyDiff request (chunked=true) that
+compacts in place every 64 prompt tokens (the CUDA gather / write kernels on overlapping blocks). The
+Ada-KV requests stop early, so the decode steps
 first hold per-head rows (per-head graphs), then only stock-layout rows (vLLM's graphs); the test
 records the dispatcher's choices and requires both kinds of FULL step.
 
@@ -23,12 +25,13 @@ PAGE = 16
 LONG, SHORT = 48, 20
 CASES = [None, {"policy": "dropkv", "budget": 0.25}, {"policy": "streaming", "budget": 0.3},
          {"policy": "snapkv", "budget": 0.25, "allocation": "adakv"}, None,
-         {"policy": "keydiff", "budget": 0.2, "allocation": "adakv"}, {"policy": "snapkv", "budget": 0.2}]
+         {"policy": "keydiff", "budget": 0.2, "allocation": "adakv"}, {"policy": "snapkv", "budget": 0.2},
+         {"policy": "keydiff", "budget": 96, "chunked": True, "chunk_size": 64}]  # block-wise, in place
 
 
 def prompts():
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in (300, 700, 650, 720, 500, 610, 900)]
+    return [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in (300, 700, 650, 720, 500, 610, 900, 800)]
 
 
 def generate(model, **engine_overrides):
