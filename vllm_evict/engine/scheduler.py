@@ -146,8 +146,9 @@ class EvictionKVCacheManager(KVCacheManager):
         return new_blocks
 
     def _blocks_short(self, request, ev: SchedulerEviction) -> bool:
-        """Whether the free pool lacks what a block-wise request holds at its peak: P pages and a chunk."""
-        peak = ev.pages + ev.chunk // self.page_size
+        """Whether the free pool lacks what a block-wise request holds at its prefill peak (P pages and a
+        chunk); vLLM's own check asks the same of a request's whole prompt."""
+        peak = peak_blocks(request.num_prompt_tokens, self.page_size, ev)
         held = len(self.coordinator.single_type_managers[0].req_to_blocks.get(request.request_id, ()))
         return peak - held > self.block_pool.get_num_free_blocks()
 
