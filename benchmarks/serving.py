@@ -17,6 +17,9 @@ Suites (`--suite`):
   prefill   prefill-only passes and TTFT at batch 1 per policy, with the reported eviction latency.
   e2e       the end-to-end shapes (--shapes LEN:OUT:N); vanilla also measures eviction's physical limit
             (prefill-only time + decode time at the evicted KV length) on the same engine.
+  memory    prefill time and peak KV blocks of one request per length (--memory-lengths), with no eviction,
+            one-shot and block-wise KeyDiff (--memory-budget, --chunk-size), and which lengths the KV pool
+            serves at all (issue 17; the evict engine with --allow-long-prompts may exceed the pool).
 
 Engines (`--engine`): `vanilla` (stock vLLM, VLLM_PLUGINS=none, FLASH_ATTN, vLLM's default CUDA graph
 mode) or `evict` (vllm-evict's engine kwargs: FLASH_ATTN, vLLM's default CUDA graph mode, eviction
@@ -63,11 +66,13 @@ def make_engine(args):
             model = write_real_config("llama-3.1-8b", Path(args.workdir))
         kwargs = dict(model=str(model), load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.9,
                       attention_backend="FLASH_ATTN")
+        if args.kv_cache_memory_bytes is not None:  # a capped KV pool
+            kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     else:  # CPU smoke run of the script itself (tests/bench): tiny random Llama, fp32
         from vllm_evict.testing.tiny_models import ensure_tiny_model
 
         model = ensure_tiny_model("llama")
-        kwargs = dict(model=str(model), dtype="float32", kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+        kwargs = dict(model=str(model), dtype="float32", kv_cache_memory_bytes=args.kv_cache_memory_bytes or 1 << 28)
     # Token ids in, token ids out: no detokenizer. Dummy weights emit ids outside the stand-in
     # tokenizer's vocabulary, and detokenizing them cost O(prompt length) per request per step.
     kwargs.update(block_size=16, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -75,8 +80,11 @@ def make_engine(args):
                   skip_tokenizer_init=True)
     if args.engine == "evict":
         from vllm_evict.engine import engine_kwargs
+        from vllm_evict.engine.plugin import LONG_PROMPTS_ENV
 
         kwargs = engine_kwargs(**kwargs)
+        if args.allow_long_prompts:
+            os.environ[LONG_PROMPTS_ENV] = "1"
     t0 = time.time()
     llm = LLM(**kwargs)
     return llm.llm_engine, round(time.time() - t0, 1)
@@ -134,11 +142,11 @@ class Driver:
             self.engine.step()
 
 
-def eviction_of(args, budget: float | None = None) -> dict | None:
+def eviction_of(args, budget: float | None = None, allocation: str | None = None) -> dict | None:
     if args.engine != "evict" or args.policy == "none":
         return None
     return {"policy": args.policy, "budget": budget if budget is not None else args.budget,
-            "allocation": args.allocation}
+            "allocation": allocation or args.allocation, **args.eviction_options}
 
 
 def report_of(out) -> dict | None:
@@ -284,8 +292,7 @@ def suite_capacity(args, drv: Driver, deadline: float) -> dict:
     for budget, allocation in args.capacity_configs:
         if time.time() > deadline:
             break
-        eviction = None if args.engine == "vanilla" else {"policy": args.policy, "budget": budget,
-                                                          "allocation": allocation}
+        eviction = eviction_of(args, budget, allocation)
         # Enough requests to outgrow the cache: ~1.3x what it holds at budget * prompt tokens each.
         cache_tokens = drv.scheduler.kv_cache_manager.block_pool.num_gpu_blocks * 16
         num = args.num_requests if eviction is None else int(1.3 * cache_tokens / (budget * args.prompt_len)) + 16
@@ -350,8 +357,60 @@ def suite_prefill(args, drv: Driver, deadline: float) -> dict:
     return {"rows": rows}
 
 
+def suite_memory(args, drv: Driver, deadline: float) -> dict:
+    """Issue 17, memory-bounded prefill: one request at a time per prompt length (--memory-lengths,
+    max_tokens=1), for no eviction, one-shot KeyDiff and block-wise KeyDiff (--chunk-size) at
+    --memory-budget tokens per head (vanilla: no eviction only). Each row has the prefill time, the most KV
+    blocks the request held (read after every block allocation of the manager, so a compaction step's
+    peak counts) and how it ended: a prompt the engine cannot serve is rejected or ends with an error,
+    which gives the longest prompt servable on the engine's KV pool."""
+    manager = drv.scheduler.kv_cache_manager
+    held = manager.coordinator.single_type_managers[0].req_to_blocks
+    peaks: list[int] = []
+    allocate = manager.allocate_slots
+
+    def allocate_and_record(request, *a, **kw):
+        blocks = allocate(request, *a, **kw)
+        peaks.append(len(held.get(request.request_id, ())))
+        return blocks
+
+    manager.allocate_slots = allocate_and_record  # this engine's manager only
+    modes = [None]
+    if args.engine == "evict":
+        one_shot = {"policy": "keydiff", "budget": args.memory_budget}
+        modes += [one_shot, {**one_shot, "chunked": True, "chunk_size": args.chunk_size}]
+    rows = []
+    for length in args.memory_lengths:
+        for eviction in modes:
+            if time.time() > deadline:
+                break
+            peaks.clear()
+            row = {"prompt_len": length, "eviction": eviction}
+            t0 = time.perf_counter()
+            try:
+                rid = drv.add(drv.prompt(length), 1, eviction)
+            except ValueError as exc:  # longer than --max-model-len: the API refuses it
+                rows.append({**row, "ended": f"rejected: {exc}"[:200]})
+                print(json.dumps(rows[-1]), flush=True)
+                continue
+            ended = report = None
+            while drv.engine.has_unfinished_requests():
+                outs, _, _, _ = drv.step()
+                for o in outs:
+                    if o.finished and o.request_id == rid:
+                        ended = o.outputs[0].finish_reason
+                        report = report_of(o)
+            rows.append({**row, "ended": ended, "prefill_s": round(time.perf_counter() - t0, 3),
+                         "peak_blocks": max(peaks, default=0), "prompt_blocks": -(-length // 16),
+                         "compactions": (report or {}).get("compactions")})
+            print(json.dumps(rows[-1]), flush=True)
+    manager.allocate_slots = allocate
+    pool = drv.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
+    return {"rows": rows, "kv_pool_tokens": pool * 16}
+
+
 SUITES = {"latency": suite_latency, "load": suite_load, "capacity": suite_capacity, "e2e": suite_e2e,
-          "prefill": suite_prefill}
+          "prefill": suite_prefill, "memory": suite_memory}
 
 
 def run_one(args) -> dict:
@@ -434,6 +493,19 @@ PLANS = {
                                              "--ttft-lengths", "8192", "32768", "--repeats", "3",
                                              "--max-model-len", "33280", "--prefill-policies", "dropkv:uniform",
                                              "snapkv:uniform", "keydiff:uniform", "dropkv:adakv"], 340)],
+    # issue 17 (one call each): prefill time, peak blocks and servable lengths on a pool capped at 64K tokens
+    # (8 GiB for Llama-3.1-8B: 128 KiB per token), vanilla against no / one-shot / block-wise KeyDiff at 16K
+    # tokens per head; then the most concurrent 64K requests with the whole GPU
+    "memory17": [("vanilla", "memory", ["--kv-cache-memory-bytes", str(8 << 30), "--max-model-len", "65536",
+                                        "--memory-lengths", "32768", "65000", "131000"], 150),
+                 ("evict", "memory", ["--kv-cache-memory-bytes", str(8 << 30), "--max-model-len", "131072",
+                                      "--allow-long-prompts", "--memory-lengths", "32768", "65000", "131000",
+                                      "--memory-budget", "16384", "--chunk-size", "512"], 380)],
+    "concurrent17": [("vanilla", "capacity", ["--prompt-len", "65536", "--max-tokens", "4096", "--num-requests", "12",
+                                              "--max-model-len", "69632"], 200),
+                     ("evict", "capacity", ["--prompt-len", "65536", "--max-tokens", "4096", "--max-model-len", "69632",
+                                            "--policy", "keydiff", "--capacity-configs", "0.25:uniform",
+                                            "--eviction-options", '{"chunked": true, "chunk_size": 512}'], 330)],
     "e2e13": [("vanilla", "e2e", E2E_SHAPES, 300), ("evict", "e2e", E2E_SHAPES, 220)],
     "latency": [("vanilla", "latency", [], 240), ("evict", "latency", [], 300)],
     # decode-step latency and 32K decode throughput without TTFT cases or capacity runs (one call)
@@ -513,6 +585,8 @@ def main() -> int:
     o.add_argument("--policy", default="dropkv")
     o.add_argument("--budget", type=float, default=0.1)
     o.add_argument("--allocation", default="uniform")
+    o.add_argument("--eviction-options", type=json.loads, default={},
+                   help='more fields of the eviction object, as JSON: \'{"chunked": true, "chunk_size": 512}\'')
     o.add_argument("--prompt-len", type=int, default=32768)
     o.add_argument("--max-tokens", type=int, default=512)
     o.add_argument("--num-requests", type=int, default=64)
@@ -534,7 +608,12 @@ def main() -> int:
     o.add_argument("--max-model-len", type=int, default=66048)
     o.add_argument("--max-num-seqs", type=int, default=512)
     o.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    o.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 28, help="CPU runs only")
+    o.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV pool size (CPU default 256 MiB; GPU default: vLLM's, from --gpu-memory-utilization 0.9)")
+    o.add_argument("--allow-long-prompts", action="store_true", help="evict engine: --max-model-len may exceed the pool")
+    o.add_argument("--memory-lengths", nargs="+", type=int, default=[32768, 65536, 131072])
+    o.add_argument("--memory-budget", type=int, default=16384, help="tokens per head (suite memory)")
+    o.add_argument("--chunk-size", type=int, default=512, help="block-wise KeyDiff chunk (suite memory)")
     o.add_argument("--time-limit", type=float, default=540)
     o.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -546,6 +625,8 @@ def main() -> int:
     args.prefill_shapes = [tuple(int(x) for x in v.split(":")) for v in args.prefill_shapes]
     if args.shared_prefix and args.engine == "vanilla":
         ap.error("--shared-prefix is for the evict engine only (shared blocks would inflate vanilla capacity)")
+    if args.allow_long_prompts and args.engine == "vanilla":
+        ap.error("--allow-long-prompts is for the evict engine only (stock vLLM refuses it)")
     result = run_one(args)
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

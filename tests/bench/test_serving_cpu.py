@@ -59,3 +59,26 @@ def test_latency_suite_rows(tmp_path):
     assert variants == ["evict engine, no eviction", "evict engine, dropkv 0.25 uniform (512 -> 128)",
                         "evict engine, dropkv 0.25 adakv (512 -> 128)"]
     assert all(r["steps"] >= 4 and r["step_ms_median"] > 0 for r in run["decode"])
+
+
+def test_memory_suite_rows(tmp_path):
+    """Suite memory (issue 17) on a 48-block pool with --max-model-len beyond it: peak blocks per mode, and a
+    1500-token prompt that only block-wise eviction serves."""
+    out = tmp_path / "memory.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serving.py"), "one", "--out", str(out), "--engine", "evict",
+           "--suite", "memory", "--kv-cache-memory-bytes", str(3072 * 768), "--max-model-len", "2048",
+           "--allow-long-prompts", "--memory-lengths", "512", "1500", "--memory-budget", "128", "--chunk-size", "64",
+           "--max-num-batched-tokens", "512", "--time-limit", "240"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert run["kv_pool_tokens"] == 768
+    rows = {(r["prompt_len"], "none" if r["eviction"] is None else
+             "chunked" if r["eviction"].get("chunked") else "one-shot"): r for r in run["rows"]}
+    assert [rows[(512, m)]["ended"] for m in ("none", "one-shot", "chunked")] == ["length"] * 3
+    assert rows[(512, "none")]["peak_blocks"] == 32                # the prompt (max_tokens=1 needs no slot)
+    assert rows[(512, "one-shot")]["peak_blocks"] == 32 + 8        # the prompt and P fresh blocks
+    assert rows[(512, "chunked")]["peak_blocks"] == 8 + 64 // 16   # P and one chunk
+    assert rows[(1500, "none")]["ended"] == rows[(1500, "one-shot")]["ended"] == "error"
+    assert rows[(1500, "chunked")]["ended"] == "length" and rows[(1500, "chunked")]["peak_blocks"] == 12
+    assert rows[(1500, "chunked")]["compactions"] == len(range(192, 1500, 64)) + 1
