@@ -80,7 +80,7 @@ def make_engine(args):
                   skip_tokenizer_init=True)
     if args.engine == "evict":
         from vllm_evict.engine import engine_kwargs
-        from vllm_evict.engine.plugin import LONG_PROMPTS_ENV
+        from vllm_evict.engine.request_config import LONG_PROMPTS_ENV
 
         kwargs = engine_kwargs(**kwargs)
         if args.allow_long_prompts:

@@ -129,7 +129,7 @@ def serve(argv: list[str]) -> int:
     if defaults:
         os.environ[DEFAULT_ENV] = json.dumps(defaults)
     if args.allow_long_prompts:
-        from vllm_evict.engine.plugin import LONG_PROMPTS_ENV
+        from vllm_evict.engine.request_config import LONG_PROMPTS_ENV
 
         os.environ[LONG_PROMPTS_ENV] = "1"  # read by the engine core process at start-up
     if args.max_n is not None:

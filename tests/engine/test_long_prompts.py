@@ -9,7 +9,7 @@ import pytest
 
 from tests.engine.inprocess import inprocess_llm
 from tests.engine.test_chunked_eviction import chunked, params, plan_of, random_prompt
-from vllm_evict.engine.plugin import LONG_PROMPTS_ENV
+from vllm_evict.engine.request_config import LONG_PROMPTS_ENV
 
 pytestmark = pytest.mark.engine
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 
 _registered = False
-# Set (to 1) by `vllm-evict serve --allow-long-prompts`: --max-model-len may exceed the KV cache.
-LONG_PROMPTS_ENV = "VLLM_EVICT_ALLOW_LONG_PROMPTS"
 
 
 def register() -> None:
@@ -89,13 +87,15 @@ def _allow_prompts_beyond_kv_cache() -> None:
     from vllm.logger import init_logger
     from vllm.v1.core import kv_cache_utils
 
+    from vllm_evict.engine.request_config import LONG_PROMPTS_ENV, long_prompts_allowed
+
     if getattr(kv_cache_utils, "_vllm_evict_long_prompts", False):
         return
     original = kv_cache_utils._check_enough_kv_cache_memory
     logger = init_logger(__name__)
 
     def _check_enough_kv_cache_memory(available_memory, get_needed_memory, max_model_len, estimate_max_model_len):
-        if os.environ.get(LONG_PROMPTS_ENV, "") in ("", "0"):
+        if not long_prompts_allowed():
             return original(available_memory, get_needed_memory, max_model_len, estimate_max_model_len)
         original(available_memory, lambda: 0, max_model_len, estimate_max_model_len)  # no cache at all: refused
         if get_needed_memory() > available_memory:

@@ -24,6 +24,12 @@ DEFAULT_CHUNK_SIZE = 128  # SPEC §4.3: the paper's block size
 MAX_CHUNK_SIZE = 1 << 20
 # Engine-level default for requests that say nothing (e.g. `{"policy": "snapkv", "budget": 0.2}` as JSON).
 DEFAULT_ENV = "VLLM_EVICT_DEFAULT"
+# Set (to 1) by `vllm-evict serve --allow-long-prompts`: --max-model-len may exceed the KV cache (plugin.py).
+LONG_PROMPTS_ENV = "VLLM_EVICT_ALLOW_LONG_PROMPTS"
+
+
+def long_prompts_allowed() -> bool:
+    return os.environ.get(LONG_PROMPTS_ENV, "") not in ("", "0")
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import RequestStatus
 
 from vllm_evict.engine.request_config import (EXTRA_ARGS_KEY, PLAN_KEY, RequestEviction, eviction_points,
-                                              parse_request)
+                                              long_prompts_allowed, parse_request)
 from vllm_evict.engine.worker import FAILED_ATTR, LATENCY_ATTR
 
 logger = init_logger(__name__)
@@ -215,6 +215,8 @@ class _EvictionSchedulerMixin:
             self._fail(request)
             return
         ev = None if spec is None else self._plan(request, spec)
+        if ev is None and not long_prompts_allowed():
+            return  # vLLM's start-up check made --max-model-len fit the cache
         usable = self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # less vLLM's null block
         peak = peak_blocks(request.num_prompt_tokens + request.max_tokens, self.block_size, ev)
         if peak > usable:  # it would wait, or be preempted and recomputed, forever
