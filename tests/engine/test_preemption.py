@@ -70,6 +70,30 @@ def test_pressure_caused_preemption(small_engine):
     assert preemptions > 0
 
 
+def test_a_one_shot_request_that_can_never_fit_fails_at_arrival(small_engine):
+    """72 blocks and --max-model-len 1024: a 1000-token prompt passes vLLM's start-up check, but compacting
+    it needs its 63 prompt blocks and 32 fresh ones at once. It fails at arrival with finish reason
+    "error" instead of waiting forever; a plain request of the same length and a block-wise one run."""
+    from vllm import SamplingParams
+
+    llm_engine = small_engine.llm_engine
+    scheduler = llm_engine.engine_core.engine_core.scheduler
+    idle_free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    prompt = torch.randint(3, 1000, (1000,), generator=torch.Generator().manual_seed(5)).tolist()
+    cases = {"one-shot": {"policy": "keydiff", "budget": 0.5}, "plain": None,
+             "block-wise": {"policy": "keydiff", "budget": 0.5, "chunked": True}}
+    for name, case in cases.items():
+        llm_engine.add_request(name, {"prompt_token_ids": prompt},
+                               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                              extra_args={"vllm_evict": case} if case else None))
+    finished = {}
+    while llm_engine.has_unfinished_requests():
+        finished.update((o.request_id, o.outputs[0]) for o in llm_engine.step() if o.finished)
+    assert finished["one-shot"].finish_reason == "error" and finished["one-shot"].token_ids == []
+    assert len(finished["plain"].token_ids) == len(finished["block-wise"].token_ids) == 8
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == idle_free
+
+
 def random_schedule(seed: int, num_requests: int = 8):
     """A seeded mix: policies, budgets and allocations from the registry, plain requests, a shared
     prefix, and an abort step (or None) per request."""
