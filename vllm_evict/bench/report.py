@@ -190,7 +190,8 @@ def plot(cfg: EvalConfig, summary: Sequence[dict[str, Any]], path: Path, title: 
     import matplotlib.pyplot as plt
 
     variants, allocations = list(cfg.variants), list(cfg.allocations)
-    fig, axes = plt.subplots(len(variants), len(allocations), figsize=(5.5 * len(allocations), 4 * len(variants)),
+    width = 5.5 * len(allocations)
+    fig, axes = plt.subplots(len(variants), len(allocations), figsize=(width, 4 * len(variants)),
                              squeeze=False, sharey=True)
     budgets = sorted({float(b) for b in cfg.budgets})
     cmap = plt.get_cmap("tab10" if len(cfg.policies) <= 10 else "tab20")
@@ -235,12 +236,15 @@ def plot(cfg: EvalConfig, summary: Sequence[dict[str, Any]], path: Path, title: 
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
-    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8)
+    # legend columns and title lines sized to the figure: a one-panel figure must not clip them
+    ncol = max(1, min(6, len(labels), int(width // 2.2)))
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8)
     if flagged:
         title += "\nx = some requests of that point did not evict (status column of the tables)"
-    fig.suptitle("\n".join(textwrap.fill(line, 110) for line in title.split("\n")), fontsize=10)
-    fig.tight_layout(rect=(0, 0.06 + 0.03 * (len(labels) > 6), 1, 0.95))
-    fig.savefig(path, dpi=120)
+    fig.suptitle("\n".join(textwrap.fill(line, min(110, int(16 * width))) for line in title.split("\n")),
+                 fontsize=10)
+    fig.tight_layout(rect=(0, 0.03 + 0.03 * -(-len(labels) // ncol), 1, 0.95))
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
