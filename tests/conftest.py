@@ -21,6 +21,14 @@ def tiny_qwen2() -> Path:
     return ensure_tiny_model("qwen2")
 
 
+@pytest.fixture(scope="session")
+def reference(tiny_llama):
+    """The independent torch decoder the engine tests compare vLLM's tokens with."""
+    from vllm_evict.testing.reference import ReferenceDecoder
+
+    return ReferenceDecoder(tiny_llama)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from tests.engine.inprocess import inprocess_llm
+from tests.engine.test_eviction import MAX_TOKENS, check_against_reference, params, random_prompt, scheduler_of
 
 pytestmark = pytest.mark.engine
 
 PAGE = 16
 POOL = 160           # blocks (2560 tokens)
-MAX_TOKENS = 24
 CASES = [{"budget": 64, "chunk_size": 32},
          {"budget": 0.25, "chunk_size": 100},        # rounded up to 112 tokens (whole pages)
          {"budget": 0.1},                            # the default chunk, 128
@@ -25,20 +25,8 @@ CASES = [{"budget": 64, "chunk_size": 32},
          {"budget": 0.5, "chunk_size": 256}]         # one chunk = vLLM's whole token budget
 
 
-def random_prompt(seed: int, length: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 1000, (length,), generator=g).tolist()
-
-
 def chunked(case: dict) -> dict:
     return {"policy": "keydiff", "chunked": True, **case}
-
-
-def params(eviction: dict | None, max_tokens: int = MAX_TOKENS):
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
-                          extra_args={"vllm_evict": eviction} if eviction else None)
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +34,6 @@ def engine(tiny_llama):
     with inprocess_llm(tiny_llama, block_size=PAGE, num_gpu_blocks_override=POOL, max_model_len=1280,
                        max_num_batched_tokens=256) as llm:
         yield llm
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama):
-    from vllm_evict.testing.reference import ReferenceDecoder
-
-    return ReferenceDecoder(tiny_llama)
-
-
-def scheduler_of(llm):
-    return llm.llm_engine.engine_core.engine_core.scheduler
 
 
 def plan_of(case: dict, prompt_len: int) -> tuple[int, int, list[int]]:
@@ -70,7 +47,6 @@ def plan_of(case: dict, prompt_len: int) -> tuple[int, int, list[int]]:
 
 
 def test_chunked_keydiff_matches_the_chunked_reference_in_a_mixed_batch(engine, reference):
-    from tests.engine.test_eviction import check_against_reference
     from vllm_evict.policies import EvictionConfig
 
     pool = scheduler_of(engine).kv_cache_manager.block_pool
@@ -168,7 +144,7 @@ def test_blocks_held_never_exceed_the_budget_plus_a_chunk_and_prompts_beyond_the
     assert pool.get_num_free_blocks() == idle_free
 
 
-def test_a_preempted_chunked_request_starts_over_and_still_matches(tiny_llama, engine, reference):
+def test_a_preempted_chunked_request_starts_over_and_still_matches(engine, reference):
     """Preemption frees everything: the recompute runs the same chunked schedule from the start."""
     from vllm_evict.policies import EvictionConfig
 

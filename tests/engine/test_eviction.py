@@ -26,13 +26,6 @@ def engine(tiny_llama):
         yield llm
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_llama):
-    from vllm_evict.testing.reference import ReferenceDecoder
-
-    return ReferenceDecoder(tiny_llama)
-
-
 def scheduler_of(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler
 

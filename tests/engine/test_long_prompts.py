@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tests.engine.inprocess import inprocess_llm
-from tests.engine.test_chunked_eviction import chunked, params, plan_of, random_prompt
+from tests.engine.test_chunked_eviction import chunked, plan_of
+from tests.engine.test_eviction import params, random_prompt
 from vllm_evict.engine.request_config import LONG_PROMPTS_ENV
 
 pytestmark = pytest.mark.engine
@@ -39,9 +40,8 @@ def run(llm_engine, requests: dict) -> dict:
     return finished
 
 
-def test_a_chunked_prompt_longer_than_the_cache_runs_and_matches(engine, tiny_llama):
+def test_a_chunked_prompt_longer_than_the_cache_runs_and_matches(engine, reference):
     from vllm_evict.policies import EvictionConfig
-    from vllm_evict.testing.reference import ReferenceDecoder
 
     scheduler = engine.llm_engine.engine_core.engine_core.scheduler
     pool = scheduler.kv_cache_manager.block_pool
@@ -51,7 +51,7 @@ def test_a_chunked_prompt_longer_than_the_cache_runs_and_matches(engine, tiny_ll
     case = {"budget": 128, "chunk_size": 64}
     out = run(engine.llm_engine, {"long": (prompt, params(chunked(case)))})["long"]
     pages, chunk, points = plan_of(case, len(prompt))
-    expected = ReferenceDecoder(tiny_llama).generate_chunked(
+    expected = reference.generate_chunked(
         prompt, len(out.outputs[0].token_ids), EvictionConfig.from_dict({"policy": "keydiff", "budget": 128,
                                                                            "chunked": True}), chunk, page_size=PAGE)
     assert list(out.outputs[0].token_ids) == expected.token_ids and expected.token_ids

@@ -24,13 +24,6 @@ def engine(tiny_llama):
             yield llm
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_llama):
-    from vllm_evict.testing.reference import ReferenceDecoder
-
-    return ReferenceDecoder(tiny_llama)
-
-
 def test_uniform_policies_match_reference_in_one_mixed_batch(engine, reference):
     """Uniform allocation keeps each head's own top pages, so TP cannot change it: four policies and two
     budgets, plain requests around them, one prompt longer than a 256-token prefill chunk; tokens equal
