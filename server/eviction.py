@@ -5,7 +5,7 @@ Resolution of a request's `eviction` object:
 * absent / null -> the server defaults (`--default-eviction-*`), or no eviction without defaults;
 * an object -> keys it lacks are filled from the server defaults (policy, budget, allocation), so
   `{"budget": 0.2}` uses the default policy; `{"policy": "none"}` disables eviction;
-* the merged dict is validated by `vllm_evict.policies.EvictionConfig.from_dict` (ValueError -> 400).
+* the merged dict is validated by the engine's own parser, `request_config.parse_request` (ValueError -> 400).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def validate_defaults(defaults: dict[str, Any]) -> Any:
 
 
 def resolve(request_eviction: Any, defaults: dict[str, Any]) -> Any:
-    """The EvictionConfig for a request, or None for no eviction. Raises EvictionFieldError."""
+    """The request's resolved eviction (WithEngineFields), or None for no eviction. Raises EvictionFieldError."""
     if request_eviction is None:
         if not defaults or "policy" not in defaults:
             return None
@@ -84,7 +84,7 @@ def resolve(request_eviction: Any, defaults: dict[str, Any]) -> Any:
         raise EvictionFieldError(f"invalid eviction: {exc}") from exc
     if spec is None:
         return None
-    return spec.config if spec.to_dict() == spec.config.to_dict() else WithEngineFields(spec)
+    return WithEngineFields(spec)
 
 
 class WithEngineFields:

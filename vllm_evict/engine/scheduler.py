@@ -115,15 +115,13 @@ class EvictionKVCacheManager(KVCacheManager):
         chunk_end = (request.num_computed_tokens + given["num_new_computed_tokens"]
                      + given["num_external_computed_tokens"] + num_new_tokens)
         evicts = chunk_end == ev.next_point
-        if ev.in_place:
-            kwargs["delay_cache_blocks"] = True  # never hashed: compaction rewrites them
-            if given["full_sequence_must_fit"]:  # admission: its peak, not its prompt, must fit
-                kwargs["full_sequence_must_fit"] = False
-                if self._blocks_short(request, ev):
-                    return None
-        if ev.compacted:
-            # Physical accounting: the manager sees the compacted length; never hash compacted blocks.
+        if ev.in_place or ev.compacted:  # never hashed: compacted blocks, or blocks compaction rewrites
             kwargs["delay_cache_blocks"] = True
+        if ev.in_place and given["full_sequence_must_fit"]:  # admission: its peak, not its prompt, must fit
+            kwargs["full_sequence_must_fit"] = False
+            if self._blocks_short(request, ev):
+                return None
+        if ev.compacted:  # physical accounting: the manager sees the compacted length
             request.num_computed_tokens -= ev.removed
             try:
                 new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
@@ -269,7 +267,7 @@ class _EvictionSchedulerMixin:
             ev = self.evictions.get(req_id)
             if ev is not None:
                 ev.latency_ms = (ev.latency_ms or 0.0) + ms
-                if ev.compacted and ev.next_point is None and not ev.reported:  # its last compaction
+                if ev.next_point is None and not ev.reported:  # its last compaction is done
                     ready.append(req_id)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if ready:

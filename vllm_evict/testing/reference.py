@@ -141,7 +141,7 @@ class ReferenceDecoder:
                 if limit is not None and held + len(ids) > limit:
                     k_held, v_held = torch.stack(keys, dim=1), torch.stack(values, dim=1)  # [held, H, D]
                     w = config.window_size()
-                    scores = score_tokens(config.policy, q[len(ids) - w:] if w else q[:0], k_held, v_held,
+                    scores = score_tokens(config.policy, q[max(len(ids) - w, 0):] if w else q[:0], k_held, v_held,
                                           scale=self.scale, **config.score_options())
                     keep = select_tokens(scores, limit, page_size=page_size, **config.select_options())
                     keys[:] = [k_held[keep[h], h] for h in range(self.num_kv_heads)]
