@@ -18,7 +18,9 @@ mkdir -p "$dir"
 model=$(python3 -c "from vllm_evict.testing.tiny_models import write_real_config as w; print(w('llama-3.1-8b', '/tmp/models'))")
 args=("$model" --load-format dummy --max-model-len 8192 --port 8000 --shutdown-timeout 45)
 if [ "$engine" = evict ]; then
-  python3 -m vllm_evict.cli serve "${args[@]}" > "$dir/server_$engine.log" 2>&1 &
+  # from /tmp: `python3 -m` puts the working directory first on sys.path, and the checkout's vllm_evict/ has
+  # no .server or .kernels (device_env.sh's installed-layout mirror has both)
+  (cd /tmp && exec python3 -m vllm_evict.cli serve "${args[@]}") > "$dir/server_$engine.log" 2>&1 &
   mix=mixed
 else
   PYTHONPATH=/tmp/vsite VLLM_PLUGINS=none python3 -m vllm.entrypoints.cli.main serve "${args[@]}" \

@@ -110,4 +110,5 @@ def compact_request(state, layers: list[tuple[int, object]], scale: float, promp
         for i, (index, _) in enumerate(group):
             state.layers[index] = LayerCompaction(page_counts=counts[i], kept=kept[i])
             if DUMP_DIR:  # kept sets for offline comparison with a reference (GPU checks)
-                torch.save(keep[i].cpu(), os.path.join(DUMP_DIR, f"{state.req_id}.L{index}.pt"))
+                point = f".c{state.done}" if state.chunk else ""  # block-wise: one file per compaction
+                torch.save(keep[i].cpu(), os.path.join(DUMP_DIR, f"{state.req_id}{point}.L{index}.pt"))

@@ -67,7 +67,7 @@ def _build_tokenizer(vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_training_text(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",
                                    pad_token="<|endoftext|>", unk_token=None)
