@@ -28,16 +28,23 @@ else
   mix=none
 fi
 pid=$!
+# wait for /health, but stop at once if the server exited (a failed start must not spend device time)
 up=$(python3 -c "
 import time, urllib.request
 for _ in range(300):
     try:
         urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2); print('up'); break
     except Exception:
+        try:  # an exited child stays a zombie until this script waits for it
+            exited = open('/proc/$pid/stat').read().rsplit(')', 1)[1].split()[0] == 'Z'
+        except FileNotFoundError:
+            exited = True
+        if exited:
+            print('exited'); break
         time.sleep(1)
 ")
 if [ "$up" != up ]; then
-  echo "server did not come up"; tail -30 "$dir/server_$engine.log"; kill $pid; touch "$dir/done_$engine"; exit 1
+  echo "server did not come up (${up:-timeout})"; tail -30 "$dir/server_$engine.log"; kill $pid; touch "$dir/done_$engine"; exit 1
 fi
 python3 benchmarks/load.py --url http://127.0.0.1:8000 --clients "$clients" --seconds "$seconds" --prompt-len 4096 \
   --max-tokens 256 --mix "$mix" --pid $pid --out "$dir/load_$engine.json" 2>&1 | tail -5

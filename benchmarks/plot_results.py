@@ -121,6 +121,51 @@ def plot_serving() -> Path:
     return out
 
 
+def plot_memory_bounded() -> Path:
+    """Issue-17 figure: peak KV blocks and prefill time per prompt length on a 64K-token pool, and concurrent
+    64K requests (H100, session 10: docs/results/session10/)."""
+    runs = {r["engine"]: r["rows"] for r in (_result("session10/memory17_0_vanilla_memory.json"),
+                                             _result("session10/memory17_1_evict_memory.json"))}
+    pool = _result("session10/memory17_0_vanilla_memory.json")["kv_pool_tokens"] // 16
+
+    def mode(row):
+        ev = row["eviction"]
+        return "no eviction" if ev is None else "block-wise KeyDiff" if ev.get("chunked") else "one-shot KeyDiff"
+
+    series = {"vanilla": [r for r in runs["vanilla"]]}
+    for row in runs["evict"]:
+        if row["eviction"] is not None:
+            series.setdefault(mode(row), []).append(row)
+    colors = {"vanilla": "#999999", "one-shot KeyDiff": "#ff7f0e", "block-wise KeyDiff": "#1f77b4"}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, key, label in ((axes[0], "peak_blocks", "most KV blocks held"), (axes[1], "prefill_s", "prefill (s)")):
+        for name, rows in series.items():
+            done = [r for r in rows if r["ended"] == "length"]
+            ax.plot([r["prompt_len"] // 1000 for r in done], [r[key] for r in done], "o-", color=colors[name],
+                    label=name)
+        ax.set_xlabel("prompt (thousand tokens)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].axhline(pool, color="black", linestyle="--", linewidth=1)
+    axes[0].text(75, pool * 0.95, f"KV pool: {pool} blocks (64K tokens)", fontsize=8)
+    axes[0].set_ylim(0, pool * 1.1)
+    axes[0].set_title("Peak KV per request (served requests only)")
+    axes[0].legend(fontsize=8, loc="center right")
+    axes[1].set_title("Prefill time, one request at a time")
+    caps = [("vanilla", _result("session10/concurrent17_0_vanilla_capacity.json")["runs"][0]["capacity"]),
+            ("block-wise KeyDiff 25%", _result("session10/concurrent17_1_evict_capacity.json")["runs"][0]["capacity"])]
+    bars = axes[2].bar([c[0] for c in caps], [c[1] for c in caps], color=["#999999", "#1f77b4"])
+    for bar, (_, v) in zip(bars, caps):
+        axes[2].text(bar.get_x() + bar.get_width() / 2, v + 0.3, str(v), ha="center")
+    axes[2].set_ylabel("concurrent 64K-token requests")
+    axes[2].set_title("Capacity, whole GPU")
+    fig.suptitle("Memory-bounded prefill, Llama-3.1-8B shape (dummy bf16), H100 80GB, vLLM 0.26.0", fontsize=10)
+    out = IMG / "memory_bounded_prefill.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
+
+
 if __name__ == "__main__":
     IMG.mkdir(parents=True, exist_ok=True)
-    print(plot_scoring(), plot_capacity(), plot_serving())
+    print(plot_scoring(), plot_capacity(), plot_serving(), plot_memory_bounded())
