@@ -1,6 +1,7 @@
 """GPU diagnosis of test_cuda_graphs' block-wise case: the same block-wise / one-shot KeyDiff requests under
 eager, compile without graphs, PIECEWISE and FULL_AND_PIECEWISE, with every compaction's kept sets dumped, so
-a divergence is traced to compile numerics (kept sets flip on near-ties) or to the graph path.
+a divergence is traced to compile numerics (kept sets flip on near-ties) or to the graph path: compile
+against eager, then PIECEWISE and FULL_AND_PIECEWISE against compile.
   python3 benchmarks/diag_chunked_graphs.py OUT_DIR"""
 from __future__ import annotations
 
@@ -50,27 +51,23 @@ def main():
 
     out = sys.argv[1]
     model = ensure_tiny_model("llama")
-    results = {m: run(model, m, out) for m in ("eager", "compile", "piecewise", "full")}
-    for name in CASES:
-        base = results["eager"][name]
-        for mode in ("compile", "piecewise", "full"):
-            r = results[mode][name]
-            first = next((i for i, (a, b) in enumerate(zip(r["tokens"], base["tokens"])) if a != b), None)
-            print(f"{name:8s} {mode:9s} first token divergence vs eager: {first}", r["tokens"][:8], base["tokens"][:8])
-    # kept sets: the engine dumps <req>[.c<compaction>].L<layer>.pt; compare every compaction, layer by layer
+    modes = ("eager", "compile", "piecewise", "full")
+    results = {m: run(model, m, out) for m in modes}
+    # kept sets: the engine dumps <request id>[.c<compaction>].L<layer>.pt (the id with vLLM's suffix)
     import glob
-    for mode in ("compile", "piecewise", "full"):
+
+    def dumps(mode, name):
+        req = results[mode][name]["req"]
+        return {f.split(os.sep)[-1].split(".", 1)[1]: f for f in glob.glob(os.path.join(out, mode, f"{req}[-.]*"))}
+
+    for base, mode in (("eager", "compile"), ("compile", "piecewise"), ("compile", "full")):
         for name in CASES:
-            req_e, req_m = results["eager"][name]["req"], results[mode][name]["req"]
-            rows = []
-            for a in sorted(glob.glob(os.path.join(out, "eager", f"{req_e}-*")) or
-                            glob.glob(os.path.join(out, "eager", f"{req_e}.*"))):
-                suffix = a.split(os.sep)[-1].split(".", 1)[1]
-                b = glob.glob(os.path.join(out, mode, f"{req_m}-*.{suffix}")) + \
-                    glob.glob(os.path.join(out, mode, f"{req_m}.{suffix}"))
-                if b:
-                    rows.append((suffix, int((torch.load(a) != torch.load(b[0])).sum())))
-            print(f"kept-set differences {name} {mode}: {[r for r in rows if r[1]][:12]} of {len(rows)} files")
+            a, b = results[base][name]["tokens"], results[mode][name]["tokens"]
+            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            da, db = dumps(base, name), dumps(mode, name)
+            diffs = [(k, int((torch.load(da[k]) != torch.load(db[k])).sum())) for k in sorted(da) if k in db]
+            print(f"{name:8s} {mode:9s} vs {base:7s}: first differing token {first}; kept-set differences "
+                  f"{[d for d in diffs if d[1]][:12]} in {len(diffs)} dumps")
     json.dump(results, open(os.path.join(out, "diag.json"), "w"))
 
 

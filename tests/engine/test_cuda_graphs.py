@@ -11,8 +11,8 @@ records the dispatcher's choices and requires both kinds of FULL step.
 The baseline is the same torch.compile'd model without CUDA graphs (cudagraph_mode NONE), so the test
 isolates what graph capture and replay change. Against enforce_eager the compiled model's bf16 keys differ
 in rounding (inductor's RMSNorm and RoPE against vLLM's custom ops), which flips KeyDiff selections at near
-ties: benchmarks/diag_chunked_graphs.py found compile, PIECEWISE and FULL runs identical to each other, kept
-sets included, and all three apart from eager by the same few kept tokens.
+ties: benchmarks/diag_chunked_graphs.py found compile, PIECEWISE and FULL runs giving identical tokens, all
+three apart from eager by the same few kept tokens.
 
 Greedy tokens are compared as vLLM compares its own graph and eager runs (`check_logprobs_close`):
 equal until the first divergence, where each side's token is in the other's top-5; up to there the
@@ -79,7 +79,7 @@ def generate(model, **engine_overrides):
 def test_full_graphs_match_no_graphs(tiny_llama, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # dispatcher runs in this process
     graphs, modes = generate(tiny_llama)
-    plain, _ = generate(tiny_llama, compilation_config={"cudagraph_mode": "NONE"})
+    no_graphs, _ = generate(tiny_llama, compilation_config={"cudagraph_mode": "NONE"})
     summary = {k: modes.count(k) for k in set(modes)}  # (FULL?, compacted?, per-head rows?, per-head graph?) -> steps
     assert any(full and compacted and not per_head for full, compacted, per_head, _ in modes), \
         f"no stock FULL graph step with compacted rows: {summary}"
@@ -87,7 +87,7 @@ def test_full_graphs_match_no_graphs(tiny_llama, monkeypatch):
         f"no per-head FULL graph step: {summary}"
     assert all(graph == (full and per_head) for full, _, per_head, graph in modes), \
         f"per-head graph for a step without per-head rows, or a FULL step with per-head rows in a stock graph: {summary}"
-    for i, (a, b) in enumerate(zip(graphs, plain)):
+    for i, (a, b) in enumerate(zip(graphs, no_graphs)):
         ga, gb = a.outputs[0], b.outputs[0]
         assert len(ga.token_ids) == len(gb.token_ids)
         for t, (x, y) in enumerate(zip(ga.token_ids, gb.token_ids)):
