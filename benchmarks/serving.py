@@ -78,6 +78,11 @@ def make_engine(args):
     kwargs.update(block_size=16, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True, seed=0,
                   skip_tokenizer_init=True)
+    if args.tensor_parallel_size > 1:  # worker processes; the engine core stays here (its scheduler is read)
+        kwargs.update(tensor_parallel_size=args.tensor_parallel_size, distributed_executor_backend="mp")
+        if not on_gpu:  # vLLM binds each CPU worker to a NUMA node of its own unless given cores
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
+                str(i % os.cpu_count()) for i in range(args.tensor_parallel_size)))
     if args.engine == "evict":
         from vllm_evict.engine import engine_kwargs
         from vllm_evict.engine.request_config import LONG_PROMPTS_ENV
@@ -441,6 +446,7 @@ PREFILL_ARGS = ["--prefill-shapes", "8192:32", "16384:32", "32768:16", "--ttft-l
 PREFILL14_ARGS = ["--prefill-shapes", "8192:64", "16384:64", "32768:32", "--ttft-lengths", "8192", "32768",
                   "--repeats", "3", "--max-model-len", "33280"]
 E2E_SHAPES = ["--shapes", "32768:256:8", "16384:512:16", "8192:2048:32", "--max-model-len", "33280"]
+TP16_E2E = ["--tensor-parallel-size", "2", "--shapes", "32768:256:48", "16384:512:96", "--max-model-len", "33280"]
 PLANS = {
     # issue 13: decode-step table (batches 1..256 at 1024 KV tokens per head) and the three end-to-end shapes
     "decode13": [("vanilla", "latency", ["--ttft-cases", "--decode-batches", "1", "8", "64", "256",
@@ -506,6 +512,16 @@ PLANS = {
                      ("evict", "capacity", ["--prompt-len", "65536", "--max-tokens", "4096", "--max-model-len", "69632",
                                             "--policy", "keydiff", "--capacity-configs", "0.25:uniform",
                                             "--eviction-options", '{"chunked": true, "chunk_size": 512}'], 330)],
+    # issue 16 on 2 GPUs (nvidia-h200-x2), one call each, vanilla TP=2 in every call: the most concurrent 32K
+    # requests (DropKV 10% uniform and Ada-KV); end to end at 32K / 256 and 16K / 512 with the decode rate,
+    # against DropKV 10% uniform (b) and Ada-KV (c)
+    "tp16a": [("vanilla", "capacity", ["--tensor-parallel-size", "2", "--prompt-len", "32768", "--max-tokens", "4096",
+                                       "--num-requests", "80", "--max-model-len", "36864"], 200),
+              ("evict", "capacity", ["--tensor-parallel-size", "2", "--prompt-len", "32768", "--max-tokens", "4096",
+                                     "--max-model-len", "36864", "--capacity-configs", "0.1:uniform", "0.1:adakv"],
+               340)],
+    "tp16b": [("vanilla", "e2e", TP16_E2E, 300), ("evict", "e2e", TP16_E2E, 240)],
+    "tp16c": [("vanilla", "e2e", TP16_E2E, 300), ("evict", "e2e", TP16_E2E + ["--allocation", "adakv"], 240)],
     "e2e13": [("vanilla", "e2e", E2E_SHAPES, 300), ("evict", "e2e", E2E_SHAPES, 220)],
     "latency": [("vanilla", "latency", [], 240), ("evict", "latency", [], 300)],
     # decode-step latency and 32K decode throughput without TTFT cases or capacity runs (one call)
@@ -608,6 +624,7 @@ def main() -> int:
     o.add_argument("--max-model-len", type=int, default=66048)
     o.add_argument("--max-num-seqs", type=int, default=512)
     o.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    o.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (CPU: worker processes) per engine")
     o.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="KV pool size (CPU default 256 MiB; GPU default: vLLM's, from --gpu-memory-utilization 0.9)")
     o.add_argument("--allow-long-prompts", action="store_true", help="evict engine: --max-model-len may exceed the pool")

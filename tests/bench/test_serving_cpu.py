@@ -82,3 +82,15 @@ def test_memory_suite_rows(tmp_path):
     assert rows[(1500, "none")]["ended"] == rows[(1500, "one-shot")]["ended"] == "error"
     assert rows[(1500, "chunked")]["ended"] == "length" and rows[(1500, "chunked")]["peak_blocks"] == 12
     assert rows[(1500, "chunked")]["compactions"] == len(range(192, 1500, 64)) + 1
+
+
+def test_capacity_suite_at_tensor_parallel_2(tmp_path):
+    """--tensor-parallel-size 2 (issue 16's plans for 2 GPUs) on two CPU worker processes: each rank holds one
+    of the two KV heads, so the same KV bytes hold twice the tokens, and eviction still raises the capacity
+    above what plain requests could reach."""
+    run = run_one(tmp_path, "tp2", "--engine", "evict", "--suite", "capacity", "--tensor-parallel-size", "2",
+                  "--prompt-len", "768", "--max-tokens", "64", "--capacity-configs", "0.25:uniform")
+    assert run["kv_tokens_total"] >= 2 * 8192 - 16
+    row = run["runs"][0]
+    assert row["eviction"] == {"policy": "dropkv", "budget": 0.25, "allocation": "uniform"}
+    assert row["capacity"] > run["kv_tokens_total"] // (768 + 64)

@@ -13,7 +13,8 @@ eviction reports, and `usage.eviction` in responses.
   to keep it on the request's state (so a request that the API process ends itself, on a stop string,
   still has it), to take it out of `kv_transfer_params` (vLLM would echo it, one child's only), to attach
   it to the sequence's final `CompletionOutput` (`EVICTION_ATTR`; for n > 1 each child has its own), and
-  to record the eviction metrics once per request.
+  to record the eviction metrics once per request. `RequestOutput.add` is wrapped so the report survives
+  when a stream's unread outputs merge into an earlier one.
 * **Usage.** The chat and completion response builders are wrapped to add `usage.eviction`
   (server/eviction.py `usage_block`): non-streaming responses, and the final usage chunk of a stream.
 """
@@ -103,6 +104,22 @@ def _attach_reports(make_request_output):
     return wrapped
 
 
+def _keep_reports(add):
+    """A streamed request's outputs are merged when the client reads slower than the engine steps
+    (`RequestOutputCollector` in DELTA mode: `RequestOutput.add` with aggregate=True). The merge extends the
+    pending CompletionOutput and drops the newer object, and with it the report on the final output; carry
+    the report over."""
+    def wrapped(self, next_output, aggregate):
+        reports = {c.index: getattr(c, EVICTION_ATTR) for c in next_output.outputs
+                   if getattr(c, EVICTION_ATTR, None) is not None}
+        add(self, next_output, aggregate)
+        for completion in self.outputs:
+            if completion.index in reports:
+                setattr(completion, EVICTION_ATTR, reports[completion.index])
+
+    return wrapped
+
+
 class _Reports:
     """Eviction reports of one API request's sequences, keyed (prompt index, choice index)."""
 
@@ -177,6 +194,7 @@ def install_serving_hooks() -> None:
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+        from vllm.outputs import RequestOutput
         from vllm.v1.engine.output_processor import RequestState
     except ImportError:  # pragma: no cover - a vLLM build without the OpenAI server
         return
@@ -188,6 +206,7 @@ def install_serving_hooks() -> None:
     for request_cls in (ChatCompletionRequest, CompletionRequest):
         request_cls.to_sampling_params = _with_eviction_field(request_cls.to_sampling_params)
     RequestState.make_request_output = _attach_reports(RequestState.make_request_output)
+    RequestOutput.add = _keep_reports(RequestOutput.add)
 
     chat_full = OpenAIServingChat.chat_completion_full_generator
     chat_stream = OpenAIServingChat.chat_completion_stream_generator
