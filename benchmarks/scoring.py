@@ -101,8 +101,7 @@ def bench_case(policy, n, w, *, H_q=32, H_kv=8, D=128, config=None, do_naive=Tru
     count = max(2, min(8, math.ceil(4 * 50e6 / (2 * kv_bytes))))  # >= 4x L2 across the rotation
     sets = make_sets(n, w, H_q, H_kv, D, count, seed)
     rot = Rotor(sets)
-    res = dict(policy=policy, n=n, w=w, H_q=H_q, H_kv=H_kv, D=D, rotate=count,
-               precision=(config or ws._DEFAULT_CONFIG).precision)
+    res = dict(policy=policy, n=n, w=w, H_q=H_q, H_kv=H_kv, D=D, rotate=count)
 
     def tri():
         q, k, v = rot.next()
@@ -116,22 +115,23 @@ def bench_case(policy, n, w, *, H_q=32, H_kv=8, D=128, config=None, do_naive=Tru
     for q, k, v in sets:
         qb, kb, vb = q[None], k[None], v[None]
         plan = ws._plan(policy, qb, kb, vb, None, "mean", config)
-        a_buf, lse = ws._forward(plan, qb, kb, vb)
+        fwd = ws._forward(plan, qb, kb, vb)  # (a, LSE, peak, peak_d2)
         out = torch.empty((1, H_kv, n), device="cuda", dtype=torch.float32)
-        preps.append((plan, qb, kb, vb, a_buf, lse, out))
+        preps.append((plan, qb, kb, vb, fwd, out))
     prot = Rotor(preps)
 
     def score_only():
-        plan, qb, kb, vb, a_buf, lse, out = prot.next()
-        return ws._score(plan, qb, kb, vb, a_buf, lse, out)
+        plan, qb, kb, vb, fwd, out = prot.next()
+        return ws._score(plan, qb, kb, vb, *fwd, out)
 
     def fwd_only():
-        plan, qb, kb, vb, a_buf, lse, out = prot.next()
+        plan, qb, kb, vb, _, _ = prot.next()
         return ws._forward(plan, qb, kb, vb)
 
     res["score_ms"] = _bench(score_only)
     res["fwd_ms"] = _bench(fwd_only)
     plan = preps[0][0]
+    res["precision"] = plan["precision"]
     res["splits"] = plan["splits"]
     res["num_sub_b"] = plan.get("num_sub")
     res["launch"] = plan["lp"]
@@ -180,6 +180,8 @@ def main():
     ap.add_argument("--out", default="scoring.json")
     ap.add_argument("--quick", action="store_true", help="fewer sizes (smoke run)")
     ap.add_argument("--sweep", action="store_true", help="kernel B / A launch-parameter sweep at 128K")
+    ap.add_argument("--sweep-b", action="store_true",
+                    help="kernel B launch sweep of the default (bf16x3) dropkv at 32K and 128K only")
     args = ap.parse_args()
     import triton
 
@@ -202,7 +204,7 @@ def main():
 
     sizes = [4096, 16384, 131072] if args.quick else [4096, 8192, 16384, 32768, 65536, 131072]
     cases = [("dropkv", 8, None), ("snapkv", 32, None),
-             ("dropkv", 8, ws.WindowScoreConfig(precision="bf16x3"))]
+             ("dropkv", 8, ws.WindowScoreConfig(precision="ieee"))]
     rows = []
     for policy, w, cfg in cases:
         for n in sizes:
@@ -216,6 +218,22 @@ def main():
                   f"{r.get('ref32_ms') or float('nan'):.4f} ms  err {r['max_rel_err_vs_ref32']:.1e}", flush=True)
 
     sweep = []
+    if args.sweep_b:
+        C = ws.WindowScoreConfig
+        for n in (32768, 131072):
+            for sub, nw, st, mx in ((64, 4, 3, 8), (64, 4, 3, 16), (64, 8, 3, 8), (64, 8, 3, 16), (128, 8, 3, 4),
+                                    (128, 8, 3, 8), (64, 4, 4, 16), (32, 4, 3, 16)):
+                label = f"B sub={sub} warps={nw} stages={st} max_sub={mx}"
+                try:
+                    r = bench_case("dropkv", n, 8, config=C(sub_n_b=sub, num_warps_b=nw, num_stages_b=st, max_sub_b=mx),
+                                   do_naive=False, do_ref=False)
+                except Exception as e:  # noqa: BLE001 - a config may not compile
+                    print(f"sweep-b n={n} {label}: {type(e).__name__}: {e}"[:300], flush=True)
+                    continue
+                r["label"] = label
+                sweep.append(r)
+                print(f"sweep-b n={n:6d} {label:38s} B {r['score_ms']:.4f} ms = {r['score_tb_s']:.2f} TB/s "
+                      f"({r['score_tb_s'] / ceil['copy']['tb_s']:.0%} of copy)", flush=True)
     if args.sweep:
         n = 131072
         C = ws.WindowScoreConfig

@@ -106,7 +106,7 @@ class WindowScoreConfig:
     """Launch parameters. ``None`` picks the default for the precision (tuned on an H100,
     see kernels/NOTES.md)."""
 
-    precision: str = "ieee"  # "ieee" (SPEC §5) or "bf16x3"
+    precision: str = "auto"  # "auto" (bf16x3 for bf16 inputs, else ieee), "ieee" or "bf16x3" (SPEC §5)
     block_n_a: int | None = None  # key tile of kernel A
     num_warps_a: int | None = None
     num_stages_a: int | None = None
@@ -131,8 +131,8 @@ _DEFAULTS = {
 _DEFAULT_CONFIG = WindowScoreConfig()
 
 
-def _resolve(cfg: WindowScoreConfig, need_a: bool) -> dict:
-    d = _DEFAULTS[(cfg.precision, need_a)]
+def _resolve(cfg: WindowScoreConfig, precision: str, need_a: bool) -> dict:
+    d = _DEFAULTS[(precision, need_a)]
     vals = (cfg.block_n_a, cfg.num_warps_a, cfg.num_stages_a, cfg.sub_n_b, cfg.num_warps_b, cfg.num_stages_b)
     names = ("block_n_a", "num_warps_a", "num_stages_a", "sub_n_b", "num_warps_b", "num_stages_b")
     return {k: (v if v is not None else dv) for k, v, dv in zip(names, vals, d)}
@@ -177,7 +177,7 @@ if _HAS_TRITON:
     @triton.jit(do_not_specialize=["n", "w", "H_kv", "tiles_per_split"])
     def _window_fwd_kernel(
         Q, K, V,
-        M_PART, L_PART, ACC_PART,  # split-K partials (always written; kernel C merges them)
+        M_PART, L_PART, ACC_PART, IDX_PART,  # split-K partials (always written; kernel C merges them)
         n, w, g, H_kv, qk_scale2,  # qk_scale2 = scale * log2(e)
         tiles_per_split,
         sqb, sqt, sqh,
@@ -186,7 +186,7 @@ if _HAS_TRITON:
         D: tl.constexpr, D_P: tl.constexpr,
         G_P: tl.constexpr, W_P: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        NEED_A: tl.constexpr, PRECISION: tl.constexpr, IS_F32: tl.constexpr,
+        NEED_A: tl.constexpr, PRECISION: tl.constexpr, IS_F32: tl.constexpr, TRACK_PEAK: tl.constexpr,
     ):
         M_P: tl.constexpr = G_P * W_P
         bh = tl.program_id(0)
@@ -210,6 +210,7 @@ if _HAS_TRITON:
         m_i = tl.full([M_P], -1.0e30, tl.float32)
         l_i = tl.zeros([M_P], tl.float32)
         acc = tl.zeros([M_P, D_P], tl.float32)
+        peak = tl.zeros([M_P], tl.int32)  # key of each row's largest logit so far (TRACK_PEAK)
 
         k_base = K + b.to(tl.int64) * skb + kvh * skh
         v_base = V + b.to(tl.int64) * svb + kvh * svh
@@ -223,7 +224,10 @@ if _HAS_TRITON:
             s = _dot_qk(q, k, IS_F32) * qk_scale2  # log2 domain
             vis = offs_n[None, :] <= pos[:, None]
             s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            tile_max = tl.max(s, axis=1)
+            if TRACK_PEAK:
+                peak = tl.where(tile_max > m_i, tile * BLOCK_N + tl.argmax(s, axis=1), peak)
+            m_new = tl.maximum(m_i, tile_max)
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -238,13 +242,17 @@ if _HAS_TRITON:
         tl.store(L_PART + part * M_P + rows, l_i)
         if NEED_A:
             tl.store(ACC_PART + part * (M_P * D_P) + rows[:, None] * D_P + offs_d[None, :], acc)
+        if TRACK_PEAK:
+            tl.store(IDX_PART + part * M_P + rows, peak)
 
-    @triton.jit(do_not_specialize=["num_splits"])
+    @triton.jit(do_not_specialize=["num_splits", "H_kv"])
     def _splitk_merge_kernel(
-        M_PART, L_PART, ACC_PART, A_OUT, LSE_OUT,
-        num_splits,
-        M_P: tl.constexpr, D_P: tl.constexpr, S_P: tl.constexpr, BLOCK_M: tl.constexpr,
-        NEED_A: tl.constexpr,
+        M_PART, L_PART, ACC_PART, IDX_PART, A_OUT, LSE_OUT,
+        V, PEAK_OUT, PEAK_D2_OUT,
+        num_splits, H_kv,
+        svb, svn, svh,
+        D: tl.constexpr, M_P: tl.constexpr, D_P: tl.constexpr, S_P: tl.constexpr, BLOCK_M: tl.constexpr,
+        NEED_A: tl.constexpr, TRACK_PEAK: tl.constexpr,
     ):
         bh = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -268,10 +276,21 @@ if _HAS_TRITON:
                 acc += tl.exp2(m_one - m_star)[:, None] * acc_r
             a = acc / l_star[:, None]
             tl.store(A_OUT + bh.to(tl.int64) * (M_P * D_P) + rows[:, None] * D_P + offs_d[None, :], a)
+            if TRACK_PEAK:
+                # ||a - v_peak||^2 elementwise: where p_peak -> 1, a ~ v_peak and the identity
+                # ||a||^2 + ||v||^2 - 2<a,v> cancels; kernel B uses this exact value for that key
+                idx_r = tl.load(IDX_PART + ml_ptrs, mask=s_mask[:, None], other=-1)
+                peak = tl.max(tl.where(m_r == m_star[None, :], idx_r, -1), axis=0)
+                d_mask = offs_d < D
+                v_pk = tl.load(V + (bh // H_kv).to(tl.int64) * svb + peak[:, None].to(tl.int64) * svn
+                               + (bh % H_kv) * svh + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+                diff = a - v_pk.to(tl.float32)
+                tl.store(PEAK_OUT + bh.to(tl.int64) * M_P + rows, peak)
+                tl.store(PEAK_D2_OUT + bh.to(tl.int64) * M_P + rows, tl.sum(diff * diff, axis=1))
 
     @triton.jit(do_not_specialize=["n", "w", "H_kv", "num_sub"])
     def _window_score_kernel(
-        Q, K, V, A, LSE, OUT,
+        Q, K, V, A, LSE, PEAK, PEAK_D2, OUT,
         n, w, g, H_kv, scale, inv_w, inv_g, eps, num_sub,
         sqb, sqt, sqh,
         skb, skn, skh,
@@ -281,7 +300,7 @@ if _HAS_TRITON:
         SUB_N: tl.constexpr,
         POLICY: tl.constexpr, NEED_A: tl.constexpr, NEED_V: tl.constexpr,
         GQA_MAX: tl.constexpr, PRECISION: tl.constexpr, IS_F32: tl.constexpr,
-        NUM_STAGES: tl.constexpr,
+        TRACK_PEAK: tl.constexpr, NUM_STAGES: tl.constexpr,
     ):
         """One program per key tile of BLOCK_N = SUB_N * num_sub keys, processed in num_sub
         sub-tiles (software-pipelined loads); q, LSE, a (and its split) are loaded once."""
@@ -310,6 +329,9 @@ if _HAS_TRITON:
                 r1 = a - a1.to(tl.float32)
                 a2 = r1.to(q.dtype)
                 a3 = (r1 - a2.to(tl.float32)).to(q.dtype)
+        if TRACK_PEAK:
+            peak = tl.load(PEAK + bh.to(tl.int64) * M_P + rows)
+            peak_d2 = tl.load(PEAK_D2 + bh.to(tl.int64) * M_P + rows)
         k_base = K + b.to(tl.int64) * skb + kvh * skh
         v_base = V + b.to(tl.int64) * svb + kvh * svh
         o_base = OUT + bh.to(tl.int64) * n
@@ -346,11 +368,15 @@ if _HAS_TRITON:
             elif POLICY == 3:  # dropkv
                 om = p / (1.0 - p + eps)
                 d2 = tl.maximum(aa[:, None] + vv[None, :] - 2.0 * av, 0.0)
+                if TRACK_PEAK:
+                    d2 = tl.where(offs_n[None, :] == peak[:, None], peak_d2[:, None], d2)
                 c = om * om * d2
             elif POLICY == 4:  # obcache-value
                 c = p * p * vv[None, :]
             elif POLICY == 5:  # obcache-key
                 d2 = tl.maximum(aa[:, None] + vv[None, :] - 2.0 * av, 0.0)
+                if TRACK_PEAK:
+                    d2 = tl.where(offs_n[None, :] == peak[:, None], peak_d2[:, None], d2)
                 c = p * p * z * z * d2
             else:  # obcache-joint, expanded form of SPEC §4.4
                 zp1 = 1.0 + z
@@ -435,8 +461,8 @@ def _plan(policy, q_window, keys, values, scale, gqa, config):
     if not keys.is_cuda and not _interpreting():
         raise ValueError("window_scores needs CUDA tensors (or TRITON_INTERPRET=1 for debugging)")
     cfg = config or _DEFAULT_CONFIG
-    if cfg.precision not in ("ieee", "bf16x3"):
-        raise ValueError(f"precision must be 'ieee' or 'bf16x3', got {cfg.precision!r}")
+    if cfg.precision not in ("auto", "ieee", "bf16x3"):
+        raise ValueError(f"precision must be 'auto', 'ieee' or 'bf16x3', got {cfg.precision!r}")
     for x in (q_window, keys, values):
         if x.stride(-1) != 1:
             raise ValueError("the head dimension must have unit stride")
@@ -446,15 +472,20 @@ def _plan(policy, q_window, keys, values, scale, gqa, config):
     pol_id, need_a, need_v = POLICIES[policy]
     G_P = _next_pow2(g)
     W_P = max(_next_pow2(w), 16 // G_P) if G_P < 16 else _next_pow2(w)
-    prec = 0 if (cfg.precision == "ieee" or keys.dtype == torch.float32) else 1
+    precision = cfg.precision
+    if precision == "auto":  # fp16's narrow exponent cannot hold a three-way split of small values exactly
+        precision = "bf16x3" if keys.dtype == torch.bfloat16 else "ieee"
+    prec = 0 if (precision == "ieee" or keys.dtype == torch.float32) else 1
     P = dict(
-        cfg=cfg, prec=prec, is_f32=keys.dtype == torch.float32,
+        cfg=cfg, precision=precision, prec=prec, is_f32=keys.dtype == torch.float32,
         B=B, w=w, H_q=H_q, D=D, n=n, H_kv=H_kv, g=g, BH=B * H_kv,
         scale=1.0 / math.sqrt(D) if scale is None else float(scale),
         pol_id=pol_id, need_a=need_a, need_v=need_v, gqa_max=(gqa == "max"),
         G_P=G_P, W_P=W_P, M_P=G_P * W_P, D_P=max(16, _next_pow2(D)),
-        lp=_resolve(cfg, need_a), sms=_sm_count(keys.device),
+        lp=_resolve(cfg, precision, need_a), sms=_sm_count(keys.device),
     )
+    # bf16x3 accumulates on the tensor cores, which loses more than the IEEE dot where d^2 cancels
+    P["track_peak"] = prec == 1 and policy in ("dropkv", "obcache-key")
     P["variant"] = (pol_id, gqa == "max", prec, str(keys.dtype), P["M_P"], P["D_P"], keys.device.type)
     return P
 
@@ -491,12 +522,16 @@ def _num_sub_for(P, sub_n):
 
 
 def _forward(plan, q_window, keys, values):
-    """Kernels A + C: returns (a [BH, M_P, D_P] fp32 or a dummy, LSE [BH, M_P] fp32). A always writes
-    split partials (one split at large B*H_kv) and C merges them: no n-dependent kernel variant."""
+    """Kernels A + C: returns (a [BH, M_P, D_P] fp32 or a dummy, LSE [BH, M_P] fp32, peak [BH, M_P]
+    int32 and peak_d2 [BH, M_P] fp32 or dummies). A always writes split partials (one split at large
+    B*H_kv) and C merges them: no n-dependent kernel variant. With track_peak, C also writes each
+    row's largest-logit key and its exact ||a - v||^2."""
     P, dev = plan, keys.device
-    BH, M_P, D_P, need_a = P["BH"], P["M_P"], P["D_P"], P["need_a"]
+    BH, M_P, D_P, need_a, track = P["BH"], P["M_P"], P["D_P"], P["need_a"], P["track_peak"]
     a_buf = torch.empty((BH, M_P, D_P) if need_a else (1,), device=dev, dtype=torch.float32)
     lse = torch.empty((BH, M_P), device=dev, dtype=torch.float32)
+    peak = torch.empty((BH, M_P) if track else (1,), device=dev, dtype=torch.int32)
+    peak_d2 = torch.empty((BH, M_P) if track else (1,), device=dev, dtype=torch.float32)
     v_a = values if need_a else keys  # kernel A does not touch V when a is unused
     lp0 = P["lp"]
 
@@ -505,33 +540,37 @@ def _forward(plan, q_window, keys, values):
         m_part = torch.empty((BH, splits, M_P), device=dev, dtype=torch.float32)
         l_part = torch.empty((BH, splits, M_P), device=dev, dtype=torch.float32)
         acc_part = torch.empty((BH, splits, M_P, D_P) if need_a else (1,), device=dev, dtype=torch.float32)
+        idx_part = torch.empty((BH, splits, M_P) if track else (1,), device=dev, dtype=torch.int32)
         _window_fwd_kernel[(BH, splits)](
             q_window, keys, v_a,
-            m_part, l_part, acc_part,
+            m_part, l_part, acc_part, idx_part,
             P["n"], P["w"], P["g"], P["H_kv"], P["scale"] * 1.4426950408889634,
             tiles_per_split,
             q_window.stride(0), q_window.stride(1), q_window.stride(2),
             keys.stride(0), keys.stride(1), keys.stride(2),
             v_a.stride(0), v_a.stride(1), v_a.stride(2),
             D=P["D"], D_P=D_P, G_P=P["G_P"], W_P=P["W_P"], BLOCK_N=params["block_n_a"],
-            NEED_A=need_a, PRECISION=P["prec"], IS_F32=P["is_f32"],
+            NEED_A=need_a, PRECISION=P["prec"], IS_F32=P["is_f32"], TRACK_PEAK=track,
             num_warps=params["num_warps_a"], num_stages=params["num_stages_a"],
         )
         block_m = min(M_P, 32)
         _splitk_merge_kernel[(BH, M_P // block_m)](
-            m_part, l_part, acc_part, a_buf, lse, splits,
-            M_P=M_P, D_P=D_P, S_P=MAX_SPLITS, BLOCK_M=block_m,
-            NEED_A=need_a, num_warps=4,
+            m_part, l_part, acc_part, idx_part, a_buf, lse,
+            v_a, peak, peak_d2,
+            splits, P["H_kv"],
+            v_a.stride(0), v_a.stride(1), v_a.stride(2),
+            D=P["D"], M_P=M_P, D_P=D_P, S_P=MAX_SPLITS, BLOCK_M=block_m,
+            NEED_A=need_a, TRACK_PEAK=track, num_warps=4,
         )
         return splits
 
     params = {k: lp0[k] for k in ("block_n_a", "num_warps_a", "num_stages_a")}
     P["splits"] = _launch_with_fallback(("A",) + P["variant"] + tuple(params.values()), launch, params,
                                         "block_n_a", "num_stages_a")
-    return a_buf, lse
+    return a_buf, lse, peak, peak_d2
 
 
-def _score(plan, q_window, keys, values, a_buf, lse, out):
+def _score(plan, q_window, keys, values, a_buf, lse, peak, peak_d2, out):
     """Kernel B: the per-key-tile scoring pass, writes out [B, H_kv, n] fp32."""
     P = plan
     v_b = values if P["need_v"] else keys
@@ -541,7 +580,7 @@ def _score(plan, q_window, keys, values, a_buf, lse, out):
         num_sub = _num_sub_for(P, params["sub_n_b"])
         block_n = params["sub_n_b"] * num_sub
         _window_score_kernel[(P["BH"], triton.cdiv(P["n"], block_n))](
-            q_window, keys, v_b, a_buf, lse, out,
+            q_window, keys, v_b, a_buf, lse, peak, peak_d2, out,
             P["n"], P["w"], P["g"], P["H_kv"], P["scale"], 1.0 / P["w"], 1.0 / P["g"], EPS, num_sub,
             q_window.stride(0), q_window.stride(1), q_window.stride(2),
             keys.stride(0), keys.stride(1), keys.stride(2),
@@ -549,7 +588,8 @@ def _score(plan, q_window, keys, values, a_buf, lse, out):
             D=P["D"], D_P=P["D_P"], G_P=P["G_P"], W_P=P["W_P"],
             SUB_N=params["sub_n_b"],
             POLICY=P["pol_id"], NEED_A=P["need_a"], NEED_V=P["need_v"], GQA_MAX=P["gqa_max"],
-            PRECISION=P["prec"], IS_F32=P["is_f32"], NUM_STAGES=params["num_stages_b"],
+            PRECISION=P["prec"], IS_F32=P["is_f32"], TRACK_PEAK=P["track_peak"],
+            NUM_STAGES=params["num_stages_b"],
             num_warps=params["num_warps_b"],
         )
         return num_sub
@@ -583,8 +623,7 @@ def window_scores_batched(
         out = torch.empty((B, H_kv, n), device=keys.device, dtype=torch.float32)
     elif tuple(out.shape) != (B, H_kv, n) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError("out must be a contiguous float32 [B, H_kv, n] tensor")
-    a_buf, lse = _forward(plan, q_window, keys, values)
-    return _score(plan, q_window, keys, values, a_buf, lse, out)
+    return _score(plan, q_window, keys, values, *_forward(plan, q_window, keys, values), out)
 
 
 def window_scores(
