@@ -27,7 +27,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the installed layout first
 
 from vllm_evict.kernels import window_scores as ws  # noqa: E402
 from vllm_evict.kernels.window_scores_naive import naive_torch_scores  # noqa: E402
@@ -115,7 +115,7 @@ def bench_case(policy, n, w, *, H_q=32, H_kv=8, D=128, config=None, do_naive=Tru
     for q, k, v in sets:
         qb, kb, vb = q[None], k[None], v[None]
         plan = ws._plan(policy, qb, kb, vb, None, "mean", config)
-        fwd = ws._forward(plan, qb, kb, vb)  # (a, LSE, peak, peak_d2)
+        fwd = ws._forward(plan, qb, kb, vb)  # (a, LSE, peak, peak_d2, peak_vd)
         out = torch.empty((1, H_kv, n), device="cuda", dtype=torch.float32)
         preps.append((plan, qb, kb, vb, fwd, out))
     prot = Rotor(preps)

@@ -43,15 +43,20 @@ Nothing of size w x n or w x n x d ever reaches HBM; K/V are never repeated for 
 Scratch: a [B*H_kv, M_P, D_P] fp32, LSE [B*H_kv, M_P] fp32 and, with split-K,
 (m, l) [B*H_kv, S, M_P] and acc [B*H_kv, S, M_P, D_P] fp32 (a few MB).
 
-Precision (SPEC §5): dots of two bf16/fp16 operands accumulate in fp32; the dots with an fp32
-operand (P·V in kernel A, a·vᵀ in kernel B) run in IEEE fp32 (``precision="ieee"``, default).
-``precision="bf16x3"`` is an opt-in alternative for bf16/fp16 inputs: the fp32 operand is split
-exactly into three bf16 parts (x = x1 + x2 + x3, 24 significand bits kept) and the three
-products with the bf16 operand (exact in fp32) are accumulated in fp32 on the tensor cores.
-Measured on an H100 (docs/BENCHMARKS.md): same max error vs the fp32 reference as ieee, and
-dropkv at 128K takes 0.48 ms instead of 1.29 ms (obcache-joint: 1.3 ms instead of 37 ms). It is
-not the default: on an H100 it failed the peaked-attention test (p > 0.99, where d^2 = ||a||^2 + ||v||^2
-- 2<a,v> cancels) at n = 1000, 8192 and 32768, which the IEEE dots pass (docs/BENCHMARKS.md, session 6).
+Precision (SPEC §5): dots of two bf16/fp16 operands accumulate in fp32. The dots with an fp32
+operand (P·V in kernel A, a·vᵀ in kernel B) must be fp32-accurate. ``precision="auto"`` (default)
+picks ``"bf16x3"`` for bf16 inputs and ``"ieee"`` otherwise:
+
+* ``"ieee"``: IEEE fp32 dots on the CUDA cores (Triton's FMA dot: 22% of copy bandwidth in kernel B).
+* ``"bf16x3"``: the fp32 operand is split exactly into three bf16 parts (x = x1 + x2 + x3, 24
+  significand bits kept); the three products with the bf16 operand are exact and accumulate in fp32 on
+  the tensor cores (3x faster at 128K, H100). The tensor cores' accumulation loses more than the IEEE
+  dot where the expanded forms cancel, at the key j whose p -> 1 (a ~ v_j). So kernel A also tracks
+  each row's largest-logit key, kernel C computes ||a - v_j||^2 and <v_j, a - v_j> elementwise for it,
+  and kernel B uses those exact values there (dropkv, obcache-key, obcache-joint). With them its error
+  against the fp64 reference is at or below the IEEE path's, peaked inputs included
+  (benchmarks/precision_check.py, docs/BENCHMARKS.md). fp16 keeps IEEE: its narrow exponent cannot
+  hold the split of small values exactly.
 
 The module imports on a machine without Triton or CUDA; the kernels need both at call time.
 """
@@ -248,7 +253,7 @@ if _HAS_TRITON:
     @triton.jit(do_not_specialize=["num_splits", "H_kv"])
     def _splitk_merge_kernel(
         M_PART, L_PART, ACC_PART, IDX_PART, A_OUT, LSE_OUT,
-        V, PEAK_OUT, PEAK_D2_OUT,
+        V, PEAK_OUT, PEAK_D2_OUT, PEAK_VD_OUT,
         num_splits, H_kv,
         svb, svn, svh,
         D: tl.constexpr, M_P: tl.constexpr, D_P: tl.constexpr, S_P: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -277,8 +282,8 @@ if _HAS_TRITON:
             a = acc / l_star[:, None]
             tl.store(A_OUT + bh.to(tl.int64) * (M_P * D_P) + rows[:, None] * D_P + offs_d[None, :], a)
             if TRACK_PEAK:
-                # ||a - v_peak||^2 elementwise: where p_peak -> 1, a ~ v_peak and the identity
-                # ||a||^2 + ||v||^2 - 2<a,v> cancels; kernel B uses this exact value for that key
+                # ||a - v_peak||^2 and <v_peak, a - v_peak> elementwise: where p_peak -> 1, a ~ v_peak and
+                # the expanded forms in <a, v> cancel; kernel B uses these exact values for that key
                 idx_r = tl.load(IDX_PART + ml_ptrs, mask=s_mask[:, None], other=-1)
                 peak = tl.max(tl.where(m_r == m_star[None, :], idx_r, -1), axis=0)
                 d_mask = offs_d < D
@@ -287,10 +292,11 @@ if _HAS_TRITON:
                 diff = a - v_pk.to(tl.float32)
                 tl.store(PEAK_OUT + bh.to(tl.int64) * M_P + rows, peak)
                 tl.store(PEAK_D2_OUT + bh.to(tl.int64) * M_P + rows, tl.sum(diff * diff, axis=1))
+                tl.store(PEAK_VD_OUT + bh.to(tl.int64) * M_P + rows, tl.sum(v_pk.to(tl.float32) * diff, axis=1))
 
     @triton.jit(do_not_specialize=["n", "w", "H_kv", "num_sub"])
     def _window_score_kernel(
-        Q, K, V, A, LSE, PEAK, PEAK_D2, OUT,
+        Q, K, V, A, LSE, PEAK, PEAK_D2, PEAK_VD, OUT,
         n, w, g, H_kv, scale, inv_w, inv_g, eps, num_sub,
         sqb, sqt, sqh,
         skb, skn, skh,
@@ -332,6 +338,7 @@ if _HAS_TRITON:
         if TRACK_PEAK:
             peak = tl.load(PEAK + bh.to(tl.int64) * M_P + rows)
             peak_d2 = tl.load(PEAK_D2 + bh.to(tl.int64) * M_P + rows)
+            peak_vd = tl.load(PEAK_VD + bh.to(tl.int64) * M_P + rows)
         k_base = K + b.to(tl.int64) * skb + kvh * skh
         v_base = V + b.to(tl.int64) * svb + kvh * svh
         o_base = OUT + bh.to(tl.int64) * n
@@ -381,6 +388,9 @@ if _HAS_TRITON:
             else:  # obcache-joint, expanded form of SPEC §4.4
                 zp1 = 1.0 + z
                 j2 = zp1 * zp1 * vv[None, :] - 2.0 * z * zp1 * av + z * z * aa[:, None]
+                if TRACK_PEAK:  # ||(1+z)v - z a||^2 = ||v||^2 - 2z<v, a - v> + z^2 ||a - v||^2
+                    j2_peak = vv[None, :] - 2.0 * z * peak_vd[:, None] + z * z * peak_d2[:, None]
+                    j2 = tl.where(offs_n[None, :] == peak[:, None], j2_peak, j2)
                 c = p * p * tl.maximum(j2, 0.0)
             c = tl.where(vis, c, 0.0)
 
@@ -485,7 +495,7 @@ def _plan(policy, q_window, keys, values, scale, gqa, config):
         lp=_resolve(cfg, precision, need_a), sms=_sm_count(keys.device),
     )
     # bf16x3 accumulates on the tensor cores, which loses more than the IEEE dot where d^2 cancels
-    P["track_peak"] = prec == 1 and policy in ("dropkv", "obcache-key")
+    P["track_peak"] = prec == 1 and policy in ("dropkv", "obcache-key", "obcache-joint")
     P["variant"] = (pol_id, gqa == "max", prec, str(keys.dtype), P["M_P"], P["D_P"], keys.device.type)
     return P
 
@@ -522,16 +532,17 @@ def _num_sub_for(P, sub_n):
 
 
 def _forward(plan, q_window, keys, values):
-    """Kernels A + C: returns (a [BH, M_P, D_P] fp32 or a dummy, LSE [BH, M_P] fp32, peak [BH, M_P]
-    int32 and peak_d2 [BH, M_P] fp32 or dummies). A always writes split partials (one split at large
-    B*H_kv) and C merges them: no n-dependent kernel variant. With track_peak, C also writes each
-    row's largest-logit key and its exact ||a - v||^2."""
+    """Kernels A + C: returns (a [BH, M_P, D_P] fp32 or a dummy, LSE [BH, M_P] fp32, and peak [BH, M_P]
+    int32, peak_d2 and peak_vd [BH, M_P] fp32 or dummies). A always writes split partials (one split at
+    large B*H_kv) and C merges them: no n-dependent kernel variant. With track_peak, C also writes each
+    row's largest-logit key j and, exactly, ||a - v_j||^2 and <v_j, a - v_j>."""
     P, dev = plan, keys.device
     BH, M_P, D_P, need_a, track = P["BH"], P["M_P"], P["D_P"], P["need_a"], P["track_peak"]
     a_buf = torch.empty((BH, M_P, D_P) if need_a else (1,), device=dev, dtype=torch.float32)
     lse = torch.empty((BH, M_P), device=dev, dtype=torch.float32)
     peak = torch.empty((BH, M_P) if track else (1,), device=dev, dtype=torch.int32)
     peak_d2 = torch.empty((BH, M_P) if track else (1,), device=dev, dtype=torch.float32)
+    peak_vd = torch.empty((BH, M_P) if track else (1,), device=dev, dtype=torch.float32)
     v_a = values if need_a else keys  # kernel A does not touch V when a is unused
     lp0 = P["lp"]
 
@@ -556,7 +567,7 @@ def _forward(plan, q_window, keys, values):
         block_m = min(M_P, 32)
         _splitk_merge_kernel[(BH, M_P // block_m)](
             m_part, l_part, acc_part, idx_part, a_buf, lse,
-            v_a, peak, peak_d2,
+            v_a, peak, peak_d2, peak_vd,
             splits, P["H_kv"],
             v_a.stride(0), v_a.stride(1), v_a.stride(2),
             D=P["D"], M_P=M_P, D_P=D_P, S_P=MAX_SPLITS, BLOCK_M=block_m,
@@ -567,10 +578,10 @@ def _forward(plan, q_window, keys, values):
     params = {k: lp0[k] for k in ("block_n_a", "num_warps_a", "num_stages_a")}
     P["splits"] = _launch_with_fallback(("A",) + P["variant"] + tuple(params.values()), launch, params,
                                         "block_n_a", "num_stages_a")
-    return a_buf, lse, peak, peak_d2
+    return a_buf, lse, peak, peak_d2, peak_vd
 
 
-def _score(plan, q_window, keys, values, a_buf, lse, peak, peak_d2, out):
+def _score(plan, q_window, keys, values, a_buf, lse, peak, peak_d2, peak_vd, out):
     """Kernel B: the per-key-tile scoring pass, writes out [B, H_kv, n] fp32."""
     P = plan
     v_b = values if P["need_v"] else keys
@@ -580,7 +591,7 @@ def _score(plan, q_window, keys, values, a_buf, lse, peak, peak_d2, out):
         num_sub = _num_sub_for(P, params["sub_n_b"])
         block_n = params["sub_n_b"] * num_sub
         _window_score_kernel[(P["BH"], triton.cdiv(P["n"], block_n))](
-            q_window, keys, v_b, a_buf, lse, peak, peak_d2, out,
+            q_window, keys, v_b, a_buf, lse, peak, peak_d2, peak_vd, out,
             P["n"], P["w"], P["g"], P["H_kv"], P["scale"], 1.0 / P["w"], 1.0 / P["g"], EPS, num_sub,
             q_window.stride(0), q_window.stride(1), q_window.stride(2),
             keys.stride(0), keys.stride(1), keys.stride(2),
