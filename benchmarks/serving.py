@@ -491,6 +491,11 @@ PLANS = {
                    ("evict", "prefill", ["--prefill-shapes", "8192:64", "16384:64", "--ttft-lengths", "8192",
                                          "--repeats", "3", "--max-model-len", "33280", "--prefill-policies",
                                          "snapkv:uniform", "dropkv:uniform", "dropkv:adakv"], 300)],
+    # session 11: DropKV (uniform and Ada-KV) on the bf16x3 default with the exact peak-key values (the
+    # policies that need a; SnapKV and KeyDiff run no fp32-operand dot and are unchanged)
+    "prefill14h": [("vanilla", "prefill", ["--prefill-shapes", "8192:64", "32768:32", *PREFILL14_ARGS[4:]], 150),
+                   ("evict", "prefill", ["--prefill-shapes", "8192:64", "32768:32", *PREFILL14_ARGS[4:],
+                                         "--prefill-policies", "dropkv:uniform", "dropkv:adakv"], 300)],
     # the last call of session 4: the 8K shape and the prefill table on the same two engines
     "final13_14": [("vanilla", "e2e,prefill", ["--shapes", "8192:2048:32", "--prefill-shapes", "8192:32", "32768:16",
                                                "--ttft-lengths", "8192", "32768", "--repeats", "3",
