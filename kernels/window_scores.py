@@ -482,16 +482,19 @@ def _plan(policy, q_window, keys, values, scale, gqa, config):
     pol_id, need_a, need_v = POLICIES[policy]
     G_P = _next_pow2(g)
     W_P = max(_next_pow2(w), 16 // G_P) if G_P < 16 else _next_pow2(w)
+    M_P, D_P = G_P * W_P, max(16, _next_pow2(D))
     precision = cfg.precision
-    if precision == "auto":  # fp16's narrow exponent cannot hold a three-way split of small values exactly
-        precision = "bf16x3" if keys.dtype == torch.bfloat16 else "ieee"
+    if precision == "auto":
+        # fp16's narrow exponent cannot hold a three-way split of small values exactly; and kernel B keeps
+        # q and the three parts of a in shared memory, which exceeds an H100's 227 KB past M_P * D_P = 128 * 128
+        precision = "bf16x3" if keys.dtype == torch.bfloat16 and M_P * D_P <= 128 * 128 else "ieee"
     prec = 0 if (precision == "ieee" or keys.dtype == torch.float32) else 1
     P = dict(
         cfg=cfg, precision=precision, prec=prec, is_f32=keys.dtype == torch.float32,
         B=B, w=w, H_q=H_q, D=D, n=n, H_kv=H_kv, g=g, BH=B * H_kv,
         scale=1.0 / math.sqrt(D) if scale is None else float(scale),
         pol_id=pol_id, need_a=need_a, need_v=need_v, gqa_max=(gqa == "max"),
-        G_P=G_P, W_P=W_P, M_P=G_P * W_P, D_P=max(16, _next_pow2(D)),
+        G_P=G_P, W_P=W_P, M_P=M_P, D_P=D_P,
         lp=_resolve(cfg, precision, need_a), sms=_sm_count(keys.device),
     )
     # bf16x3 accumulates on the tensor cores, which loses more than the IEEE dot where d^2 cancels
