@@ -61,16 +61,14 @@ async def one_request(http, args, model: str, eviction, disconnect_after: int | 
                 await response.aread()
                 stats.outcomes["failed"] += 1
                 return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
+            async for data in sse_data(response):
                 now = time.perf_counter()
                 if last is None:
                     stats.ttft.append(now - start)
                 else:
                     stats.itl.append(now - last)
                 last, tokens = now, tokens + 1
-                finish = json.loads(line[6:])["choices"][0].get("finish_reason") or finish
+                finish = json.loads(data)["choices"][0].get("finish_reason") or finish
                 if disconnect_after is not None and tokens >= disconnect_after:
                     stats.outcomes["disconnected"] += 1  # leaving the block closes the connection
                     return
@@ -81,6 +79,19 @@ async def one_request(http, args, model: str, eviction, disconnect_after: int | 
         stats.outcomes["failed"] += 1
         return
     stats.outcomes["done" if finish else "lost"] += 1
+
+
+async def sse_data(response):
+    """The `data:` payloads of a server-sent-event stream, [DONE] excluded. Lines end at b"\n" only:
+    httpx's aiter_lines also ends them at U+2028, U+0085 and the other str.splitlines separators, which
+    random tokens put raw inside the JSON (the first GPU soak died on such a split chunk)."""
+    buf = b""
+    async for chunk in response.aiter_bytes():
+        *lines, buf = (buf + chunk).split(b"\n")
+        for line in lines:
+            line = line.rstrip(b"\r")
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                yield line[6:]
 
 
 async def client(http, args, model: str, deadline: float, stats: Stats, rng: random.Random) -> None:

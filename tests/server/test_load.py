@@ -29,3 +29,25 @@ def test_short_load_loses_nothing_and_leaks_nothing(server_factory, tmp_path):
     assert result["done"] > 0 and result["disconnected"] > 0, summary
     assert result["plain_after_drain"] == 200 and result["kv_usage_after_drain"] == 0.0, summary
     assert result["rss_mb_end"] <= RSS_GROWTH_BOUND * result["rss_mb_first_warm"], summary
+
+
+def test_stream_lines_end_at_newline_only():
+    """Random tokens put U+2028 and U+0085 raw inside the JSON of a chunk; httpx's aiter_lines splits there
+    (the first GPU soak died on it). The generator splits at b"\\n" only, also across network reads."""
+    import asyncio
+    import json
+
+    events = [{"choices": [{"text": "a\u2028b\x85c\rd", "finish_reason": None}]},
+              {"choices": [{"text": "e", "finish_reason": "length"}]}]
+    body = b"".join(b"data: " + json.dumps(e, ensure_ascii=False).encode() + b"\n\n" for e in events)
+    body += b"data: [DONE]\n\n"
+
+    class Response:
+        async def aiter_bytes(self):
+            for i in range(0, len(body), 7):  # reads that end mid-line
+                yield body[i:i + 7]
+
+    async def collect():
+        return [json.loads(data) async for data in load_module().sse_data(Response())]
+
+    assert asyncio.run(collect()) == events
