@@ -217,27 +217,16 @@ def main():
                   f"naive {r.get('naive_ms') or float('nan'):.4f} ms  x{sp:.1f}  ref32 "
                   f"{r.get('ref32_ms') or float('nan'):.4f} ms  err {r['max_rel_err_vs_ref32']:.1e}", flush=True)
 
-    sweep = []
+    C = ws.WindowScoreConfig
+    grid = []  # (policy, w, n, label, config)
     if args.sweep_b:
-        C = ws.WindowScoreConfig
         for n in (32768, 131072):
             for sub, nw, st, mx in ((64, 4, 3, 8), (64, 4, 3, 16), (64, 8, 3, 8), (64, 8, 3, 16), (128, 8, 3, 4),
                                     (128, 8, 3, 8), (64, 4, 4, 16), (32, 4, 3, 16)):
-                label = f"B sub={sub} warps={nw} stages={st} max_sub={mx}"
-                try:
-                    r = bench_case("dropkv", n, 8, config=C(sub_n_b=sub, num_warps_b=nw, num_stages_b=st, max_sub_b=mx),
-                                   do_naive=False, do_ref=False)
-                except Exception as e:  # noqa: BLE001 - a config may not compile
-                    print(f"sweep-b n={n} {label}: {type(e).__name__}: {e}"[:300], flush=True)
-                    continue
-                r["label"] = label
-                sweep.append(r)
-                print(f"sweep-b n={n:6d} {label:38s} B {r['score_ms']:.4f} ms = {r['score_tb_s']:.2f} TB/s "
-                      f"({r['score_tb_s'] / ceil['copy']['tb_s']:.0%} of copy)", flush=True)
+                grid.append(("dropkv", 8, n, f"B sub={sub} warps={nw} stages={st} max_sub={mx}",
+                             C(sub_n_b=sub, num_warps_b=nw, num_stages_b=st, max_sub_b=mx)))
     if args.sweep:
         n = 131072
-        C = ws.WindowScoreConfig
-        grid = []
         for prec, bs, As in (
             ("bf16x3", [(64, 4, 3, 8), (64, 4, 4, 8), (64, 2, 3, 8), (128, 4, 3, 4), (64, 4, 3, 16), (64, 4, 3, 32)],
              [(64, 4, 3), (64, 4, 4)]),
@@ -245,30 +234,32 @@ def main():
              [(16, 4, 3), (16, 2, 3), (16, 4, 4), (32, 2, 3)]),
         ):
             for sub, nw, st, mx in bs:
-                grid.append(("dropkv", 8, f"B sub={sub} warps={nw} stages={st} max_sub={mx}",
+                grid.append(("dropkv", 8, n, f"B sub={sub} warps={nw} stages={st} max_sub={mx}",
                              C(precision=prec, sub_n_b=sub, num_warps_b=nw, num_stages_b=st, max_sub_b=mx)))
             for bn, nw, st in As:
-                grid.append(("dropkv", 8, f"A bn={bn} warps={nw} stages={st}",
+                grid.append(("dropkv", 8, n, f"A bn={bn} warps={nw} stages={st}",
                              C(precision=prec, block_n_a=bn, num_warps_a=nw, num_stages_a=st)))
         for sub, nw, st, mx in ((128, 4, 2, 4), (128, 4, 3, 4), (64, 4, 3, 8), (128, 4, 2, 8)):
-            grid.append(("snapkv", 32, f"B sub={sub} warps={nw} stages={st} max_sub={mx}",
+            grid.append(("snapkv", 32, n, f"B sub={sub} warps={nw} stages={st} max_sub={mx}",
                          C(sub_n_b=sub, num_warps_b=nw, num_stages_b=st, max_sub_b=mx)))
         for bn, nw, st in ((128, 4, 2), (128, 4, 3), (64, 8, 3)):
-            grid.append(("snapkv", 32, f"A bn={bn} warps={nw} stages={st}",
+            grid.append(("snapkv", 32, n, f"A bn={bn} warps={nw} stages={st}",
                          C(block_n_a=bn, num_warps_a=nw, num_stages_a=st)))
         for prec in ("ieee", "bf16x3"):
-            grid.append(("obcache-joint", 32, "defaults", C(precision=prec)))
-        for policy, w, label, cfg in grid:
-            try:
-                r = bench_case(policy, n, w, config=cfg, do_naive=False, do_ref=False)
-            except Exception as e:  # noqa: BLE001 - a config may not compile
-                print(f"sweep {policy} {cfg.precision} {label}: {type(e).__name__}: {e}"[:300], flush=True)
-                continue
-            r["label"] = label
-            sweep.append(r)
-            print(f"sweep {policy:7s} {cfg.precision:6s} {label:38s} B {r['score_ms']:.4f} ms = "
-                  f"{r['score_tb_s']:.2f} TB/s; A+C {r['fwd_ms']:.4f} (splits {r['splits']}); "
-                  f"full {r['triton_ms']:.4f}; err {r['max_rel_err_vs_ref32']:.1e}", flush=True)
+            grid.append(("obcache-joint", 32, n, "defaults", C(precision=prec)))
+    sweep = []
+    for policy, w, n, label, cfg in grid:
+        try:
+            r = bench_case(policy, n, w, config=cfg, do_naive=False, do_ref=False)
+        except Exception as e:  # noqa: BLE001 - a config may not compile
+            print(f"sweep {policy} n={n} {cfg.precision} {label}: {type(e).__name__}: {e}"[:300], flush=True)
+            continue
+        r["label"] = label
+        sweep.append(r)
+        print(f"sweep {policy:7s} n={n:6d} {r['precision']:6s} {label:38s} B {r['score_ms']:.4f} ms = "
+              f"{r['score_tb_s']:.2f} TB/s ({r['score_tb_s'] / ceil['copy']['tb_s']:.0%} of copy); "
+              f"A+C {r['fwd_ms']:.4f} (splits {r['splits']}); full {r['triton_ms']:.4f}; "
+              f"err {r['max_rel_err_vs_ref32']:.1e}", flush=True)
 
     # final table
     print("\n| policy | prec | w | n | naive bf16 ms | Triton ms | speedup | kernel B ms | B TB/s | B % copy BW "
