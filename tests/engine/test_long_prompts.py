@@ -1,7 +1,7 @@
 """Prompts longer than the whole KV cache (issue 17): with $VLLM_EVICT_ALLOW_LONG_PROMPTS a --max-model-len
 beyond the cache starts, a block-wise evicting request longer than the cache runs and equals the chunked
-torch reference, and every request that could never fit fails at arrival with finish reason "error"
-instead of waiting forever, while the engine keeps serving. Without the opt-in vLLM's refusal stands."""
+torch reference, and every request that could never fit is refused at arrival (a ValueError from the input
+processor, a 400 from the OpenAI server) instead of waiting forever, while the engine keeps serving. Without the opt-in vLLM's refusal stands."""
 
 from __future__ import annotations
 
@@ -60,21 +60,23 @@ def test_a_chunked_prompt_longer_than_the_cache_runs_and_matches(engine, referen
     assert pool.get_num_free_blocks() == idle_free
 
 
-def test_requests_that_can_never_fit_fail_and_the_engine_keeps_serving(engine):
+def test_requests_that_can_never_fit_are_refused_and_the_engine_keeps_serving(engine):
     scheduler = engine.llm_engine.engine_core.engine_core.scheduler
     pool = scheduler.kv_cache_manager.block_pool
     idle_free = pool.get_num_free_blocks()
     long_prompt = random_prompt(51, 1200)
+    never_fit = {
+        "plain-long": (params(None), 77),                                          # the whole sequence
+        "one-shot-long": (params({"policy": "keydiff", "budget": 128}), 83),       # 75 + 8 at E
+        "decode-too-long": (params(chunked({"budget": 128}), max_tokens=700), 52),  # 8 + 44
+    }
+    for name, (sampling, peak) in never_fit.items():
+        with pytest.raises(ValueError, match=f"can never fit the KV cache: it holds {peak} blocks .* has {POOL - 1}"):
+            engine.llm_engine.add_request(name, {"prompt_token_ids": long_prompt}, sampling)
     finished = run(engine.llm_engine, {
-        "plain-long": (long_prompt, params(None)),                                        # 77 blocks
-        "one-shot-long": (long_prompt, params({"policy": "keydiff", "budget": 128})),     # 75 + 8 at E
-        "decode-too-long": (long_prompt, params(chunked({"budget": 128}), max_tokens=700)),  # 8 + 44
         "chunked-fits": (long_prompt, params(chunked({"budget": 128}), max_tokens=8)),
         "plain-short": (random_prompt(52, 300), params(None, max_tokens=8)),
     })
-    assert set(finished) == {"plain-long", "one-shot-long", "decode-too-long", "chunked-fits", "plain-short"}, finished.keys()
-    for name in ("plain-long", "one-shot-long", "decode-too-long"):
-        assert finished[name].outputs[0].finish_reason == "error" and finished[name].outputs[0].token_ids == [], name
     for name in ("chunked-fits", "plain-short"):
         assert len(finished[name].outputs[0].token_ids) == 8, name
     assert not scheduler.evictions and not scheduler.requests and not scheduler.failed

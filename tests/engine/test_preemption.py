@@ -70,28 +70,39 @@ def test_pressure_caused_preemption(small_engine):
     assert preemptions > 0
 
 
-def test_a_one_shot_request_that_can_never_fit_fails_at_arrival(small_engine):
+def test_a_one_shot_request_that_can_never_fit_is_refused_at_arrival(small_engine):
     """72 blocks and --max-model-len 1024: a 1000-token prompt passes vLLM's start-up check, but compacting
-    it needs its 63 prompt blocks and 32 fresh ones at once. It fails at arrival with finish reason
-    "error" instead of waiting forever; a plain request of the same length and a block-wise one run."""
+    it needs its 63 prompt blocks and 32 fresh ones at once. The input processor refuses it with a
+    ValueError (a 400 from the OpenAI server) instead of letting it wait forever; a plain request of the
+    same length and a block-wise one run. Past the input processor (a client that bypasses it), the
+    scheduler fails it at arrival with finish reason "error"."""
     from vllm import SamplingParams
 
     llm_engine = small_engine.llm_engine
     scheduler = llm_engine.engine_core.engine_core.scheduler
     idle_free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     prompt = torch.randint(3, 1000, (1000,), generator=torch.Generator().manual_seed(5)).tolist()
-    cases = {"one-shot": {"policy": "keydiff", "budget": 0.5}, "plain": None,
-             "block-wise": {"policy": "keydiff", "budget": 0.5, "chunked": True}}
-    for name, case in cases.items():
-        llm_engine.add_request(name, {"prompt_token_ids": prompt},
-                               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                                              extra_args={"vllm_evict": case} if case else None))
+
+    def sampling(case):
+        return SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                              extra_args={"vllm_evict": case} if case else None)
+
+    one_shot = {"policy": "keydiff", "budget": 0.5}
+    with pytest.raises(ValueError, match=r"can never fit the KV cache: it holds 95 blocks .* the cache has 71"):
+        llm_engine.add_request("one-shot", {"prompt_token_ids": prompt}, sampling(one_shot))
+    bypass = llm_engine.input_processor.process_inputs("bypass", {"prompt_token_ids": prompt}, sampling(None),
+                                                       supported_tasks=llm_engine.get_supported_tasks())
+    bypass.sampling_params.extra_args = {"vllm_evict": one_shot}
+    llm_engine.add_request(bypass.request_id, bypass, bypass.params)
+    for name, case in {"plain": None, "block-wise": {**one_shot, "chunked": True}}.items():
+        llm_engine.add_request(name, {"prompt_token_ids": prompt}, sampling(case))
     finished = {}
     while llm_engine.has_unfinished_requests():
-        finished.update((o.request_id, o.outputs[0]) for o in llm_engine.step() if o.finished)
-    assert finished["one-shot"].finish_reason == "error" and finished["one-shot"].token_ids == []
-    assert len(finished["plain"].token_ids) == len(finished["block-wise"].token_ids) == 8
+        finished.update((o.request_id.split("-")[0], o.outputs[0]) for o in llm_engine.step() if o.finished)
+    assert finished["bypass"].finish_reason == "error" and finished["bypass"].token_ids == []
+    assert len(finished["plain"].token_ids) == len(finished["block"].token_ids) == 8
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == idle_free
+    assert not scheduler.requests and not scheduler.evictions and not scheduler.failed
 
 
 def random_schedule(seed: int, num_requests: int = 8):

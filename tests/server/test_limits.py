@@ -1,5 +1,5 @@
-"""Request limits of `vllm-evict serve` (issue 18), on a real server with `--max-model-len 512 --max-n 2`:
-what a client gets over each (docs/OPERATIONS.md, "Request limits")."""
+"""Request limits of `vllm-evict serve` (issue 18), on a real server with `--max-model-len 512 --max-n 2` and a
+KV cache of 40 blocks (640 tokens): what a client gets over each (docs/OPERATIONS.md, "Request limits")."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def server(server_factory):
-    return server_factory(extra_args=["--max-model-len", "512", "--max-n", "2"])
+    return server_factory(extra_args=["--max-model-len", "512", "--max-n", "2", "--num-gpu-blocks-override", "40"])
 
 
 def post(server, **body):
@@ -26,6 +26,17 @@ def error_message(response) -> str:
 def test_a_prompt_over_max_model_len_is_a_400(server):
     message = error_message(post(server, prompt=[5] * 600, max_tokens=4))
     assert "512" in message
+
+
+def test_a_request_that_can_never_fit_the_kv_cache_is_a_400(server):
+    """One-shot eviction holds the prompt's 32 blocks and P fresh ones at the eviction point: at half budget
+    that is more than the 39 usable blocks, so the request could only wait forever. The same prompt runs
+    without eviction, and at a 10% budget."""
+    prompt = [5 + i % 50 for i in range(500)]
+    message = error_message(post(server, prompt=prompt, max_tokens=4, eviction={"policy": "snapkv", "budget": 0.5}))
+    assert "can never fit the KV cache" in message and "the cache has 39" in message, message
+    assert post(server, prompt=prompt, max_tokens=4).status_code == 200
+    assert post(server, prompt=prompt, max_tokens=4, eviction={"policy": "snapkv", "budget": 0.1}).status_code == 200
 
 
 def test_n_over_max_n_is_a_400(server):

@@ -60,21 +60,41 @@ def _install_triton_scoring() -> None:
 def _install_request_validation() -> None:
     """Resolve every request's eviction once, in the API process: bad parameters are rejected there (a 400
     from the OpenAI server, a ValueError from `LLM.generate`), and the engine core receives the canonical
-    nested form with the defaults applied (request_config.resolve_request)."""
+    nested form with the defaults applied (request_config.resolve_request). A request that could never fit
+    the KV cache, even alone, is refused there too, once the prompt is tokenized and the cache size known
+    (scheduler.never_fit_reason; the scheduler keeps the same check for requests that bypass this)."""
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from vllm_evict.engine.request_config import resolve_request
+    from vllm_evict.engine.request_config import long_prompts_allowed, parse_request, resolve_request
+    from vllm_evict.engine.scheduler import never_fit_reason, plan_eviction
 
     if getattr(InputProcessor, "_vllm_evict_validates", False):
         return
-    original = InputProcessor._validate_params
+    original_validate, original_process = InputProcessor._validate_params, InputProcessor.process_inputs
 
     def _validate_params(self, params, *args, **kwargs):
-        original(self, params, *args, **kwargs)
+        original_validate(self, params, *args, **kwargs)
         if hasattr(params, "extra_args"):  # SamplingParams (pooling requests have no eviction)
             params.extra_args = resolve_request(params.extra_args)
 
+    def process_inputs(self, *args, **kwargs):
+        request = original_process(self, *args, **kwargs)
+        params, cache = request.sampling_params, self.vllm_config.cache_config
+        # num_gpu_blocks: set once the engine started (summed over engines under data parallelism)
+        if params is None or not cache.num_gpu_blocks or self.vllm_config.parallel_config.data_parallel_size > 1:
+            return request
+        num_prompt = (len(request.prompt_token_ids) if request.prompt_token_ids is not None
+                      else len(request.prompt_embeds))
+        spec = parse_request(params.extra_args)
+        ev = None if spec is None else plan_eviction(spec, num_prompt, cache.block_size)
+        if ev is not None or long_prompts_allowed():
+            reason = never_fit_reason(num_prompt + params.max_tokens, cache.block_size, cache.num_gpu_blocks, ev)
+            if reason is not None:
+                raise ValueError(reason)
+        return request
+
     InputProcessor._validate_params = _validate_params
+    InputProcessor.process_inputs = process_inputs
     InputProcessor._vllm_evict_validates = True
 
 

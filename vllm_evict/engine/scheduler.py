@@ -181,6 +181,31 @@ def peak_blocks(num_tokens: int, block_size: int, ev: SchedulerEviction | None) 
     return ev.pages + max(ev.chunk // block_size if ev.in_place else -(-ev.evict_at // block_size), after)
 
 
+def plan_eviction(spec: RequestEviction, num_prompt_tokens: int, block_size: int) -> SchedulerEviction | None:
+    """A request's eviction points and P (None if it evicts nothing)."""
+    evict_at = spec.eviction_point(num_prompt_tokens)
+    pages = spec.config.num_pages(evict_at, block_size)
+    if pages is None:
+        return None
+    chunk = spec.chunk_tokens(block_size)
+    return SchedulerEviction(request=spec, points=eviction_points(evict_at, pages, block_size, chunk), pages=pages,
+                             window=spec.config.window_size(), chunk=chunk, prompt_tokens=num_prompt_tokens)
+
+
+def never_fit_reason(num_tokens: int, block_size: int, num_blocks: int, ev: SchedulerEviction | None) -> str | None:
+    """Why a request of `num_tokens` (prompt + max_tokens) could never run in a cache of `num_blocks` blocks,
+    not even alone (it would wait, or be preempted and recomputed, forever), or None if it can.
+    Plain requests need this only under $VLLM_EVICT_ALLOW_LONG_PROMPTS: otherwise vLLM's start-up check made
+    --max-model-len fit the cache."""
+    usable = num_blocks - 1  # less vLLM's null block
+    peak = peak_blocks(num_tokens, block_size, ev)
+    if peak <= usable:
+        return None
+    return (f"the request can never fit the KV cache: it holds {peak} blocks of {block_size} tokens at its peak "
+            f"(prompt + max_tokens = {num_tokens} tokens), the cache has {usable}; shorten it, lower max_tokens "
+            f"or evict block-wise (keydiff chunked=true)")
+
+
 class _EvictionSchedulerMixin:
     """Adds eviction bookkeeping to vLLM's Scheduler (sync) or AsyncScheduler."""
 
@@ -214,27 +239,22 @@ class _EvictionSchedulerMixin:
             return
         ev = None if spec is None else self._plan(request, spec)
         if ev is None and not long_prompts_allowed():
-            return  # vLLM's start-up check made --max-model-len fit the cache
-        usable = self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # less vLLM's null block
-        peak = peak_blocks(request.num_prompt_tokens + request.max_tokens, self.block_size, ev)
-        if peak > usable:  # it would wait, or be preempted and recomputed, forever
-            logger.error("vllm-evict: request %s can never fit the KV cache: it holds %d blocks at its peak, the "
-                         "cache has %d; shorten it or evict block-wise (keydiff chunked=true)",
-                         request.request_id, peak, usable)
+            return
+        # the API process refuses these at arrival (plugin._install_request_validation); this catches the rest
+        reason = never_fit_reason(request.num_prompt_tokens + request.max_tokens, self.block_size,
+                                  self.kv_cache_manager.block_pool.num_gpu_blocks, ev)
+        if reason is not None:
+            logger.error("vllm-evict: request %s: %s", request.request_id, reason)
             self._fail(request)
 
     def _plan(self, request, spec: RequestEviction) -> SchedulerEviction | None:
         """The request's eviction points and P, also handed to the workers; None if it evicts nothing."""
-        evict_at = spec.eviction_point(request.num_prompt_tokens)
-        pages = spec.config.num_pages(evict_at, self.block_size)
-        if pages is None:
+        ev = plan_eviction(spec, request.num_prompt_tokens, self.block_size)
+        if ev is None:
             return None
-        chunk = spec.chunk_tokens(self.block_size)
         params = request.sampling_params
-        params.extra_args = {**(params.extra_args or {}), PLAN_KEY: [evict_at, pages, chunk]}  # for the workers
-        ev = self.evictions[request.request_id] = SchedulerEviction(
-            request=spec, points=eviction_points(evict_at, pages, self.block_size, chunk), pages=pages,
-            window=spec.config.window_size(), chunk=chunk, prompt_tokens=request.num_prompt_tokens)
+        params.extra_args = {**(params.extra_args or {}), PLAN_KEY: [ev.evict_at, ev.pages, ev.chunk]}  # for the workers
+        self.evictions[request.request_id] = ev
         return ev
 
     def _mamba_block_aligned_split(self, request, num_new_tokens, num_new_local_computed_tokens=0,

@@ -38,6 +38,9 @@ SURFACE: dict[str, dict[str, str]] = {
         "vllm.v1.worker.gpu_worker:kernel_warmup": "worker",
         # plugin.py: request validation in the API process
         "vllm.v1.engine.input_processor:InputProcessor._validate_params": "self, params, supported_tasks",
+        "vllm.v1.engine.input_processor:InputProcessor.process_inputs":
+            "self, request_id, prompt, params, supported_tasks, arrival_time=, lora_request=, tokenization_kwargs=, "
+            "trace_headers=, priority=, data_parallel_rank=, resumable=",
         # scheduler.py: KV-cache-manager and scheduler subclasses
         _MANAGER + "get_computed_blocks": "self, request",
         _MANAGER + "allocate_slots": "self, request, num_new_tokens, num_new_computed_tokens=, new_computed_blocks=, "
