@@ -5,7 +5,9 @@ runs a short one in CI.
 Each client loops until the deadline: one streaming completion at a time, its eviction drawn from --mix.
 A request ends as `done` (a finish reason arrived), `disconnected` (this client closed the stream on
 purpose), `failed` (an HTTP error status or a transport error) or `lost` (the stream ended with no finish
-reason, or timed out). Every second the sampler reads the server's /metrics (KV-cache usage, running and
+reason, or timed out). A disconnecting request closes after a random number of tokens (read from the
+continuous usage of each event); TTFT is to the first event and the inter-token latency is measured per
+event, which carries several tokens when the server streams to a slow reader. Every second the sampler reads the server's /metrics (KV-cache usage, running and
 waiting requests) and, with --pid, the resident memory of that process tree. After the deadline the run
 drains: it waits until nothing runs or waits, sends one plain request, and reads the KV usage once more.
 
@@ -49,8 +51,11 @@ async def one_request(http, args, model: str, eviction, disconnect_after: int | 
                       rng: random.Random) -> None:
     import httpx
 
+    # continuous usage: every event says how many tokens the request has, since vLLM merges the tokens of a
+    # slow reader into one event (the disconnect point counts tokens, not events)
     body = {"model": model, "prompt": [3 + rng.randrange(500) for _ in range(args.prompt_len)],
-            "max_tokens": args.max_tokens, "stream": True, "ignore_eos": True}
+            "max_tokens": args.max_tokens, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     if eviction is not None:
         body["eviction"] = eviction
     start, last, tokens, finish = time.perf_counter(), None, 0, None
@@ -62,13 +67,17 @@ async def one_request(http, args, model: str, eviction, disconnect_after: int | 
                 stats.outcomes["failed"] += 1
                 return
             async for data in sse_data(response):
+                event = json.loads(data)
+                if not event.get("choices"):  # the final usage event
+                    continue
                 now = time.perf_counter()
                 if last is None:
                     stats.ttft.append(now - start)
                 else:
                     stats.itl.append(now - last)
-                last, tokens = now, tokens + 1
-                finish = json.loads(data)["choices"][0].get("finish_reason") or finish
+                last = now
+                tokens = event["usage"]["completion_tokens"] if event.get("usage") else tokens + 1
+                finish = event["choices"][0].get("finish_reason") or finish
                 if disconnect_after is not None and tokens >= disconnect_after:
                     stats.outcomes["disconnected"] += 1  # leaving the block closes the connection
                     return

@@ -27,6 +27,8 @@ def test_short_load_loses_nothing_and_leaks_nothing(server_factory, tmp_path):
     summary = {k: v for k, v in result.items() if k != "samples"}
     assert result["lost"] == 0 and result["failed"] == 0 and result["server_errors"] == 0, summary
     assert result["done"] > 0 and result["disconnected"] > 0, summary
+    # 20% of the requests close after a random number of tokens below max_tokens: all of them get there
+    assert 0.12 <= result["disconnected"] / result["requests"] <= 0.28, summary
     assert result["plain_after_drain"] == 200 and result["kv_usage_after_drain"] == 0.0, summary
     assert result["rss_mb_end"] <= RSS_GROWTH_BOUND * result["rss_mb_first_warm"], summary
 
