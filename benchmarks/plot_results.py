@@ -166,6 +166,43 @@ def plot_memory_bounded() -> Path:
     return out
 
 
+def plot_soak() -> Path:
+    """Issue-18 figure: the 10-minute GPU soak, requests running and KV usage over time for vllm-evict and vanilla
+    on the same 131,072-token pool (H100, session 11: docs/results/session11/load_*.json)."""
+    runs = {"vllm-evict, mixed eviction": (_result("session11/load_evict.json"), "#1f77b4"),
+            "vanilla vLLM": (_result("session11/load_vanilla.json"), "#999999")}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name, (run, color) in runs.items():
+        samples = [x for x in run["samples"] if "running" in x]
+        t = [x["t"] / 60 for x in samples]
+        axes[0].plot(t, [x["running"] for x in samples], color=color, label=name)
+        axes[1].plot(t, [100 * x["kv_usage"] for x in samples], color=color, label=name)
+    for ax, label in ((axes[0], "requests running"), (axes[1], "KV cache in use (%)")):
+        ax.axvline(run["seconds"] / 60, color="black", linestyle=":", linewidth=1)
+        ax.set_xlabel("minutes (load stops at the dotted line, then drains)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("Requests running at once, 200 clients")
+    axes[1].set_title("KV usage (0% after the drain on both)")
+    names = list(runs)
+    outcomes = ("done", "disconnected", "failed", "lost")
+    bottom = [0, 0]
+    for outcome, color in zip(outcomes, ("#2ca02c", "#bcbd22", "#d62728", "#000000")):
+        values = [runs[n][0][outcome] for n in names]
+        axes[2].bar(["vllm-evict", "vanilla"], values, bottom=bottom, color=color, label=outcome)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    axes[2].set_ylabel("requests in 10 minutes")
+    axes[2].set_title("Outcomes (failed and lost: 0 on both)")
+    axes[2].legend(fontsize=8)
+    fig.suptitle("GPU soak: both engines at once on one H100, 16 GiB KV each, Llama-3.1-8B shape (dummy bf16), "
+                 "4K-token prompts, 256 output tokens", fontsize=10)
+    out = IMG / "gpu_soak.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
+
+
 if __name__ == "__main__":
     IMG.mkdir(parents=True, exist_ok=True)
-    print(plot_scoring(), plot_capacity(), plot_serving(), plot_memory_bounded())
+    print(plot_scoring(), plot_capacity(), plot_serving(), plot_memory_bounded(), plot_soak())
