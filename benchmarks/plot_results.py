@@ -30,7 +30,12 @@ def plot_scoring() -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for policy, prec in sorted({(r[0], r[1]) for r in rows}):
         pts = sorted((r[2], r[3] / r[4]) for r in rows if r[0] == policy and r[1] == prec)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{policy} ({prec})")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{policy} ({prec}, session 1)")
+    # session 11: bf16x3 with exact peak-key values became the default (docs/results/session11/scoring_T4.json)
+    t4 = [r for r in _result("session11/scoring_T4.json")["rows"]
+          if r["policy"] == "dropkv" and r["precision"] == "bf16x3" and r.get("naive_ms")]
+    ax.plot([r["n"] for r in t4], [r["naive_ms"] / r["triton_ms"] for r in t4], marker="s", color="black",
+            label="dropkv (default since session 11: bf16x3 + exact peak keys)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt length n (tokens)")
     ax.set_ylabel("speedup over naive torch scorer (x)")
