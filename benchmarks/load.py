@@ -7,9 +7,10 @@ A request ends as `done` (a finish reason arrived), `disconnected` (this client 
 purpose), `failed` (an HTTP error status or a transport error) or `lost` (the stream ended with no finish
 reason, or timed out). A disconnecting request closes after a random number of tokens (read from the
 continuous usage of each event); TTFT is to the first event and the inter-token latency is measured per
-event, which carries several tokens when the server streams to a slow reader. Every second the sampler reads the server's /metrics (KV-cache usage, running and
-waiting requests) and, with --pid, the resident memory of that process tree. After the deadline the run
-drains: it waits until nothing runs or waits, sends one plain request, and reads the KV usage once more.
+event, which carries several tokens when the server streams to a slow reader. Every second the sampler
+reads the server's /metrics (KV-cache usage, running and waiting requests) and, with --pid, the resident
+memory of that process tree. After the deadline the run drains: it waits until nothing runs or waits, sends
+one plain request, and reads the KV usage once more.
 
   python benchmarks/load.py --url http://127.0.0.1:8000 --clients 200 --seconds 600 --out load.json
   (vanilla vLLM: --mix none, the same load without the eviction field)

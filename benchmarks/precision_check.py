@@ -81,8 +81,8 @@ def main():
                     row[name] = dict(vs64=rel(tri, ref64), vs32=rel(tri, ref32), bound64=worst(tri, ref64),
                                      bound32=worst(tri, ref32), nan=bool(torch.isnan(tri).any()))
                 rows.append(row)
-                cells = "  ".join(f"{name} {row[name]['vs64']:.1e}/{row[name]['bound64']:.2f}/{row[name]['bound32']:.2f}"
-                                  for name in variants)
+                cells = "  ".join(f"{name} {c['vs64']:.1e}/{c['bound64']:.2f}/{c['bound32']:.2f}"
+                                  for name, c in ((name, row[name]) for name in variants))
                 print(f"{policy:13s} {kind:7s} n={n:6d} maxp={row['max_p']:.5f} ref32 {row['ref32_vs_64']:.1e}"
                       f"/{row['ref32_bound']:.2f}  {cells}", flush=True)
     Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(0), rows=rows), indent=1))

@@ -65,7 +65,7 @@ def _install_request_validation() -> None:
     (scheduler.never_fit_reason; the scheduler keeps the same check for requests that bypass this)."""
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from vllm_evict.engine.request_config import long_prompts_allowed, parse_request, resolve_request
+    from vllm_evict.engine.request_config import parse_request, resolve_request
     from vllm_evict.engine.scheduler import never_fit_reason, plan_eviction
 
     if getattr(InputProcessor, "_vllm_evict_validates", False):
@@ -87,10 +87,9 @@ def _install_request_validation() -> None:
                       else len(request.prompt_embeds))
         spec = parse_request(params.extra_args)
         ev = None if spec is None else plan_eviction(spec, num_prompt, cache.block_size)
-        if ev is not None or long_prompts_allowed():
-            reason = never_fit_reason(num_prompt + params.max_tokens, cache.block_size, cache.num_gpu_blocks, ev)
-            if reason is not None:
-                raise ValueError(reason)
+        reason = never_fit_reason(num_prompt + params.max_tokens, cache.block_size, cache.num_gpu_blocks, ev)
+        if reason is not None:
+            raise ValueError(reason)
         return request
 
     InputProcessor._validate_params = _validate_params

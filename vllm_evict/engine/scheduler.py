@@ -194,9 +194,9 @@ def plan_eviction(spec: RequestEviction, num_prompt_tokens: int, block_size: int
 
 def never_fit_reason(num_tokens: int, block_size: int, num_blocks: int, ev: SchedulerEviction | None) -> str | None:
     """Why a request of `num_tokens` (prompt + max_tokens) could never run in a cache of `num_blocks` blocks,
-    not even alone (it would wait, or be preempted and recomputed, forever), or None if it can.
-    Plain requests need this only under $VLLM_EVICT_ALLOW_LONG_PROMPTS: otherwise vLLM's start-up check made
-    --max-model-len fit the cache."""
+    not even alone (it would wait, or be preempted and recomputed, forever), or None if it can."""
+    if ev is None and not long_prompts_allowed():
+        return None  # vLLM's start-up check made --max-model-len fit the cache
     usable = num_blocks - 1  # less vLLM's null block
     peak = peak_blocks(num_tokens, block_size, ev)
     if peak <= usable:
@@ -238,8 +238,6 @@ class _EvictionSchedulerMixin:
             self._fail(request)
             return
         ev = None if spec is None else self._plan(request, spec)
-        if ev is None and not long_prompts_allowed():
-            return
         # the API process refuses these at arrival (plugin._install_request_validation); this catches the rest
         reason = never_fit_reason(request.num_prompt_tokens + request.max_tokens, self.block_size,
                                   self.kv_cache_manager.block_pool.num_gpu_blocks, ev)
@@ -253,7 +251,7 @@ class _EvictionSchedulerMixin:
         if ev is None:
             return None
         params = request.sampling_params
-        params.extra_args = {**(params.extra_args or {}), PLAN_KEY: [ev.evict_at, ev.pages, ev.chunk]}  # for the workers
+        params.extra_args = {**(params.extra_args or {}), PLAN_KEY: [ev.evict_at, ev.pages, ev.chunk]}  # workers
         self.evictions[request.request_id] = ev
         return ev
 
