@@ -25,7 +25,7 @@
 #
 # Usage: deploy/build_local.sh [all|check|base|probe|build|run|gpu]
 # Needs root and, on Debian/Ubuntu:
-#   apt-get install -y --no-install-recommends buildah podman runc debootstrap netavark aardvark-dns
+#   apt-get install -y --no-install-recommends buildah podman runc debootstrap netavark aardvark-dns iptables
 # Environment (all optional):
 #   IMAGE=localhost/vllm-evict:0.1.0-cpu   BASE_IMAGE=localhost/vllm-evict-base:bookworm
 #   GPU_IMAGE=localhost/vllm-evict:0.1.0-gpu-standin   DEBIAN_MIRROR=http://deb.debian.org/debian   SUITE=bookworm
@@ -72,7 +72,7 @@ check_tools() {
   local tool missing=()
   for tool in buildah podman debootstrap; do command -v "$tool" >/dev/null || missing+=("$tool"); done
   [ ${#missing[@]} = 0 ] || cannot "not installed: ${missing[*]} (Debian: apt-get install -y --no-install-recommends" \
-    "buildah podman runc debootstrap netavark aardvark-dns)"
+    "buildah podman runc debootstrap netavark aardvark-dns iptables)"
   local ctr
   ctr=$("${BUILDAH[@]}" from scratch 2>"$CACHE_DIR/check.err") \
     || cannot "buildah cannot create a container here: $(tail -1 "$CACHE_DIR/check.err")"

@@ -40,7 +40,7 @@ def _cannot_run() -> str | None:
     missing = [t for t in TOOLS if shutil.which(t) is None]
     if missing:
         return (f"not installed: {', '.join(missing)} (Debian: apt-get install -y --no-install-recommends "
-                "buildah podman runc debootstrap netavark aardvark-dns; .ci/run does)")
+                "buildah podman runc debootstrap netavark aardvark-dns iptables; .ci/run does)")
     return None
 
 
