@@ -368,22 +368,21 @@ if _HAS_TRITON:
             p = tl.exp2(z * 1.4426950408889634 - lse2[:, None])
             p = tl.where(vis, p, 0.0)
 
+            if POLICY == 3 or POLICY == 5:  # d^2 = ||a - v_j||^2 by the clamped identity, exact at the peak key
+                d2 = tl.maximum(aa[:, None] + vv[None, :] - 2.0 * av, 0.0)
+                if TRACK_PEAK:
+                    d2 = tl.where(offs_n[None, :] == peak[:, None], peak_d2[:, None], d2)
+
             if POLICY == 0 or POLICY == 1:  # snapkv / h2o: sum_t p
                 c = p
             elif POLICY == 2:  # tova: last window row only
                 c = tl.where((t == w - 1)[:, None], p, 0.0)
             elif POLICY == 3:  # dropkv
                 om = p / (1.0 - p + eps)
-                d2 = tl.maximum(aa[:, None] + vv[None, :] - 2.0 * av, 0.0)
-                if TRACK_PEAK:
-                    d2 = tl.where(offs_n[None, :] == peak[:, None], peak_d2[:, None], d2)
                 c = om * om * d2
             elif POLICY == 4:  # obcache-value
                 c = p * p * vv[None, :]
             elif POLICY == 5:  # obcache-key
-                d2 = tl.maximum(aa[:, None] + vv[None, :] - 2.0 * av, 0.0)
-                if TRACK_PEAK:
-                    d2 = tl.where(offs_n[None, :] == peak[:, None], peak_d2[:, None], d2)
                 c = p * p * z * z * d2
             else:  # obcache-joint, expanded form of SPEC §4.4
                 zp1 = 1.0 + z
@@ -497,8 +496,8 @@ def _plan(policy, q_window, keys, values, scale, gqa, config):
         G_P=G_P, W_P=W_P, M_P=M_P, D_P=D_P,
         lp=_resolve(cfg, precision, need_a), sms=_sm_count(keys.device),
     )
-    # bf16x3 accumulates on the tensor cores, which loses more than the IEEE dot where d^2 cancels
-    P["track_peak"] = prec == 1 and policy in ("dropkv", "obcache-key", "obcache-joint")
+    # bf16x3 accumulates on the tensor cores, which loses more than the IEEE dot where the a.v forms cancel
+    P["track_peak"] = prec == 1 and need_a
     P["variant"] = (pol_id, gqa == "max", prec, str(keys.dtype), P["M_P"], P["D_P"], keys.device.type)
     return P
 
