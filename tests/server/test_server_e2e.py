@@ -473,18 +473,16 @@ def test_metrics(client, http):
 
 
 # ------------------------------------------------------------------------------------------- disconnects
-def test_client_disconnect_mid_stream_frees_blocks(server, http):
+def hang_up_mid_stream(server, http, tag: str, max_tokens: int) -> tuple[dict, dict]:
+    """Stream a long completion, close the connection once the request is seen running, and wait until the
+    engine is idle again. The scrapes (before, after)."""
     running, usage = "vllm:num_requests_running", "vllm:kv_cache_usage_perc"
     # idle state first: nothing running, and the KV-cache usage that goes with it
     assert wait_for_metric(http, running, lambda v: v == 0) == 0
     before = scrape(http)
     idle_usage = metric(before, usage)
-    # prompt + max_tokens just under --max-model-len 4096: ~20 s of decoding on a CPU. The connection is
-    # closed right after the request is seen running: on a 2-core machine the test process can be starved
-    # for seconds while the engine decodes, so nothing slow happens in between.
-    max_tokens = 3800
     with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300) as c:
-        stream = c.completions.create(model=MODEL, prompt=long_prompt("disconnect"), max_tokens=max_tokens,
+        stream = c.completions.create(model=MODEL, prompt=long_prompt(tag), max_tokens=max_tokens,
                                       stream=True, extra_body={"ignore_eos": True, "eviction": EVICT})
         chunks = [next(stream), next(stream)]
         assert all(ch.choices and ch.choices[0].finish_reason is None for ch in chunks)
@@ -492,13 +490,25 @@ def test_client_disconnect_mid_stream_frees_blocks(server, http):
         m = wait_for(http, lambda m: metric(m, running) >= 1, timeout=10)
         stream.close()  # hang up mid-stream
     assert metric(m, running) == 1 and metric(m, usage) > idle_usage
-    m = wait_for(http, lambda m: metric(m, running) == 0 and metric(m, usage) <= idle_usage
-                 and metric(m, "vllm_evict:kv_cache_used_blocks") == 0)
-    assert metric(m, running) == 0
-    assert metric(m, usage) <= idle_usage
-    assert metric(m, "vllm_evict:kv_cache_used_blocks") == 0
+    after = wait_for(http, lambda m: metric(m, running) == 0 and metric(m, usage) <= idle_usage
+                     and metric(m, "vllm_evict:kv_cache_used_blocks") == 0)
+    assert metric(after, running) == 0
+    assert metric(after, usage) <= idle_usage
+    assert metric(after, "vllm_evict:kv_cache_used_blocks") == 0
+    return before, after
+
+
+def test_client_disconnect_mid_stream_frees_blocks(server, http):
+    # prompt + max_tokens just under --max-model-len 4096: ~20 s of decoding on a CPU. On a 2-core machine
+    # the engine can still finish before the hang-up reaches it (this process starved for that long; CI saw
+    # it once). Such an attempt observes no abort, so it is repeated; an abort must show within three.
+    max_tokens = 3800
+    for attempt in range(3):
+        before, m = hang_up_mid_stream(server, http, f"disconnect {attempt}", max_tokens)
+        generated = metric(m, "vllm:generation_tokens") - metric(before, "vllm:generation_tokens")
+        if generated < max_tokens:
+            break
     # aborted, not run to its end
-    generated = metric(m, "vllm:generation_tokens") - metric(before, "vllm:generation_tokens")
     assert 2 <= generated < max_tokens, generated
     assert ("vllm:request_success_total", (("engine", "0"), ("finished_reason", "length"), ("model_name", MODEL))) \
         in m["vllm:request_success"]
