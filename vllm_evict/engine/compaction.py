@@ -1,14 +1,21 @@
 """Scoring + compaction of one request's prompt KV, all layers of a step at once, and the per-head page
 layout.
 
-Page layout ("flat slots"). A block holds one page per KV head, so page id = block * H_kv + slot. After
-compaction a request owns P fresh blocks = P*H_kv pages per layer, numbered by flat slot
-s in [0, P*H_kv): flat slot s is slot `s // P` of fresh block `s % P`. Head h with p_h pages takes the
-flat slots [start_h, start_h + p_h), start_h = p_0 + ... + p_{h-1}, its kept tokens in ascending
-position order. Under uniform allocation (p_h = P) head h gets slot h of every fresh block: exactly
-vLLM's own layout, so a uniformly compacted request is a stock request whose positions are shifted by
-E - P*page_size (see worker.py). Tokens after the eviction point go to head h's slot of the tail blocks
-(the blocks after the P fresh ones), continuing after the head's kept tokens.
+Page layout ("flat slots"). A block holds one page per KV head of the rank, so page id = block * H + slot
+(H = H_kv / TP heads per rank). After compaction a request owns F fresh blocks = F*H pages per layer,
+numbered by flat slot s in [0, F*H): flat slot s is slot `s // F` of fresh block `s % F`. Head h with p_h
+pages takes the flat slots [start_h, start_h + p_h), start_h = p_0 + ... + p_{h-1}, its kept tokens in
+ascending position order. F = P, except for Ada-KV under tensor parallelism (below). Under uniform
+allocation (p_h = P) head h gets slot h of every fresh block: exactly vLLM's own layout, so a uniformly
+compacted request is a stock request whose positions are shifted by E - P*page_size (see worker.py).
+Tokens after the eviction point go to head h's slot of the tail blocks (the blocks after the F fresh
+ones), continuing after the head's kept tokens.
+
+Ada-KV under tensor parallelism allocates a layer's P*H_kv pages over all H_kv heads (SPEC §3.4), as at
+TP=1: the ranks all-gather their heads' scores and each takes its own heads' counts (KVHeadGroup). A
+rank's heads may then win more than P*H pages, up to min(P*H_kv, H*ceil(E/page_size)); the scheduler
+reserves F = min(P*H_kv/H, ceil(E/page_size)) fresh blocks for such a request so that every rank fits
+(scheduler.plan_eviction), before any score exists.
 
 Compaction runs once per step, after the model forward (worker.py), over all layers of a request:
 layers are folded into the head axis (layer-major: head l*H + h), so one scoring call, one selection
@@ -35,28 +42,72 @@ GROUP_BYTES = 512 << 20
 DUMP_DIR = os.environ.get("VLLM_EVICT_DUMP_KEEP")
 
 
+@dataclass(frozen=True)
+class KVHeadGroup:
+    """This rank's KV heads among a layer's H_kv: vLLM's tensor parallelism gives rank r heads
+    [r*H, (r+1)*H) of H_kv = H*TP, or, when H_kv < TP, the one head r // (TP/H_kv) (replicated)."""
+
+    rank: int = 0
+    world: int = 1       # TP
+    total: int = 0       # H_kv (0: this rank's heads are all the heads)
+
+    def num_heads(self, local: int) -> int:
+        """H_kv, for a rank holding `local` heads."""
+        return self.total or local
+
+    @property
+    def replicas(self) -> int:
+        return max(1, self.world // self.total) if self.total else 1
+
+    def merge(self, gathered: torch.Tensor) -> torch.Tensor:
+        """[L, H_kv, ...] of every rank's [L, H, ...] stacked as [TP, L, H, ...] (each head once)."""
+        distinct = gathered[:: self.replicas]
+        return distinct.transpose(0, 1).flatten(1, 2)
+
+    def all_heads(self, local: torch.Tensor) -> torch.Tensor:
+        """[L, H_kv, ...] from this rank's [L, H, ...]: a TP collective, so every rank calls it, in the same
+        order (all ranks compact the same requests in the same steps)."""
+        if self.world == 1:
+            return local
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        return self.merge(tensor_model_parallel_all_gather(local.unsqueeze(0).contiguous(), dim=0))
+
+    def local(self, per_head: torch.Tensor) -> torch.Tensor:
+        """This rank's heads [L, H, ...] of [L, H_kv, ...]."""
+        if self.world == 1:
+            return per_head
+        groups = self.world // self.replicas
+        size = per_head.shape[1] // groups
+        start = self.rank // self.replicas * size
+        return per_head[:, start: start + size]
+
+
 @dataclass
 class LayerCompaction:
     """Where one layer's kept tokens of one request live (device tensors)."""
 
-    page_counts: torch.Tensor  # [H] int64 p_h, sums to P*H
+    page_counts: torch.Tensor  # [H] int64 p_h: sums to P*H, or (Ada-KV under TP) to this rank's share of P*H_kv
     kept: torch.Tensor         # [H] int64 kept tokens K_h = min(E, p_h * page_size)
 
 
 def select_group(config: EvictionConfig, q_window: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
-                 scale: float, page_size: int, pages: int, num_layers: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                 scale: float, page_size: int, pages: int, num_layers: int = 1,
+                 heads: KVHeadGroup = KVHeadGroup()) -> tuple[torch.Tensor, torch.Tensor]:
     """Kept mask [L*H, E] and pages per head [L*H] (int64, on the keys' device) of keys/values [E, L*H, D]
-    and window queries [w, L*Hq, D] of L layers folded into the head axis (layer-major)."""
+    and window queries [w, L*Hq, D] of L layers folded into the head axis (layer-major); `heads`: where
+    these H heads sit among the layer's (Ada-KV allocates over all of them)."""
     scores = score_tokens(config.policy, q_window, keys, values, scale=scale, **config.score_options())
     rows, n = scores.shape
-    heads = rows // num_layers
+    local = rows // num_layers
     ordered, order = stable_sort(scores)  # one sort per head serves the Ada-KV head counts and the kept mask
-    if config.allocation == "uniform" or heads == 1:
+    if config.allocation == "uniform" or heads.num_heads(local) == 1:
         page_counts = torch.full((rows,), pages, dtype=torch.int64, device=scores.device)
     else:
-        page_counts = adakv_pages(scores.view(num_layers, heads, n), pages, page_size=page_size,
+        page_counts = adakv_pages(heads.all_heads(scores.view(num_layers, local, n)), pages, page_size=page_size,
                                   alpha=config.alpha, max_protected=config.protected_count(n),
-                                  sorted_scores=ordered.view(num_layers, heads, n)).view(-1)
+                                  sorted_scores=heads.all_heads(ordered.view(num_layers, local, n)))
+        page_counts = heads.local(page_counts).reshape(-1)
     return keep_mask(scores, kept_counts(page_counts, n, page_size), order), page_counts
 
 
@@ -84,13 +135,14 @@ def layer_groups(layers: list, prompt_len: int, num_heads: int, head_dim: int, i
 
 
 def compact_request(state, layers: list[tuple[int, object]], scale: float, prompt_blocks: torch.Tensor,
-                    fresh_blocks: torch.Tensor) -> None:
+                    fresh_blocks: torch.Tensor, heads: KVHeadGroup = KVHeadGroup()) -> None:
     """Score, select and move the tokens one request holds (its prompt up to the eviction point, or for
     block-wise eviction its kept pages and the chunks since) into P blocks, in every layer.
 
     layers: (layer index, paged cache adapter) in layer order; `state` is the worker's WorkerEviction;
     prompt_blocks / fresh_blocks: the blocks read / written, on the cache's device. The written blocks may
     be the first P read ones (block-wise eviction): each group is gathered whole before it is written.
+    heads: this rank's KV heads among the layer's (tensor parallelism).
     Fills state.layers."""
     E, N, cache = state.held, state.page_size, layers[0][1]
     H, D = cache.num_heads, cache.head_dim
@@ -103,7 +155,7 @@ def compact_request(state, layers: list[tuple[int, object]], scale: float, promp
         if state.window:
             q_window = torch.stack([state.q_window[index] for index, _ in group], dim=1).flatten(1, 2)
         keep, counts = select_group(state.spec.config, q_window, keys.view(E, G * H, D), values.view(E, G * H, D),
-                                    scale, N, state.pages, num_layers=G)
+                                    scale, N, state.pages, num_layers=G, heads=heads)
         keep, counts = keep.view(G, H, E), counts.view(G, H)
         cache.write_layers(caches, keys, values, compaction_slots(keep, counts, fresh_blocks, N).contiguous())
         kept = keep.sum(dim=-1)

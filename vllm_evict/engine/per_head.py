@@ -34,7 +34,7 @@ class CompactedBatch:
 
     rows: torch.Tensor    # [Rc] batch rows
     pages: torch.Tensor   # [L, H, Rc, Wc] int32: kept pages, then slot h of the tail blocks
-    shift: torch.Tensor   # [L, H, Rc] int64 row-virtual position - head-virtual position (P*N - kept)
+    shift: torch.Tensor   # [L, H, Rc] int64 row-virtual position - head-virtual position (F*N - kept)
     tokens: torch.Tensor  # [Tc] scheduled tokens of these rows
     slots: torch.Tensor   # [L, Tc, H] int64 their cache slots
 
@@ -110,9 +110,9 @@ def compacted_batch(plan, block_table: torch.Tensor, req: torch.Tensor, position
     counts, kept = stacked_rows(plan, device)                                   # [L, H, Rc]
     states = [plan.states[r] for r in plan.per_head_rows]
     rows = host_to_device(plan.per_head_rows, device)
-    fresh = host_to_device([s.pages for s in states], device)                   # P per row
-    # Host bound of a head's pages: never more than its prefix pages or P*H.
-    width = max(min(s.pages * num_heads, -(-s.evict_at // plan.page_size)) + plan.row_blocks[r] - s.pages
+    fresh = host_to_device([s.blocks for s in states], device)                  # F per row
+    # Host bound of a head's pages: never more than its prefix pages or F*H.
+    width = max(min(s.blocks * num_heads, -(-s.evict_at // plan.page_size)) + plan.row_blocks[r] - s.blocks
                 for r, s in zip(plan.per_head_rows, states))
     col = torch.arange(width, device=device)
     start = torch.cumsum(counts, 1) - counts
@@ -223,7 +223,7 @@ class DecodeGraphTables:
         rows = host_to_device(plan.per_head_rows, device)
         for buffer in (self.fresh, self.counts, self.kept):
             buffer.zero_()
-        self.fresh.index_copy_(0, rows, host_to_device([plan.states[r].pages for r in plan.per_head_rows],
+        self.fresh.index_copy_(0, rows, host_to_device([plan.states[r].blocks for r in plan.per_head_rows],
                                                        device).to(torch.int32))
         num_layers = counts.shape[0]
         self.counts[:num_layers].index_copy_(1, rows, counts.transpose(1, 2).to(torch.int32))

@@ -66,7 +66,7 @@ def _install_request_validation() -> None:
     from vllm.v1.engine.input_processor import InputProcessor
 
     from vllm_evict.engine.request_config import parse_request, resolve_request
-    from vllm_evict.engine.scheduler import never_fit_reason, plan_eviction
+    from vllm_evict.engine.scheduler import kv_head_groups, never_fit_reason, plan_eviction
 
     if getattr(InputProcessor, "_vllm_evict_validates", False):
         return
@@ -86,7 +86,8 @@ def _install_request_validation() -> None:
         num_prompt = (len(request.prompt_token_ids) if request.prompt_token_ids is not None
                       else len(request.prompt_embeds))
         spec = parse_request(params.extra_args)
-        ev = None if spec is None else plan_eviction(spec, num_prompt, cache.block_size)
+        ev = None if spec is None else plan_eviction(spec, num_prompt, cache.block_size,
+                                                     kv_head_groups(self.vllm_config))
         reason = never_fit_reason(num_prompt + params.max_tokens, cache.block_size, cache.num_gpu_blocks, ev)
         if reason is not None:
             raise ValueError(reason)

@@ -2,7 +2,7 @@
 
 The API process resolves a request once (`resolve_request`, canonical nested form in
 `extra_args["vllm_evict"]`). The scheduler parses it when the request arrives, derives the eviction point
-E and the pages per head P once, and hands both to the workers with the request (`extra_args[PLAN_KEY]`),
+E, the pages per head P and the fresh blocks F once, and hands them to the workers with the request (`extra_args[PLAN_KEY]`),
 so the workers never derive them again and the scheduler never waits for a report from a worker.
 """
 
@@ -17,8 +17,9 @@ from vllm_evict.policies._validate import check_int
 from vllm_evict.policies.config import parse_int_field
 
 EXTRA_ARGS_KEY = "vllm_evict"
-# Written by the scheduler for the workers: [E, P, C] of a request that evicts (absent: it evicts nothing);
-# C = 0 for one-shot eviction at E, else the chunk of block-wise eviction in tokens (whole pages).
+# Written by the scheduler for the workers: [E, P, C, F] of a request that evicts (absent: it evicts nothing);
+# C = 0 for one-shot eviction at E, else the chunk of block-wise eviction in tokens (whole pages); F: the
+# fresh blocks it holds once compacted (scheduler.plan_eviction).
 PLAN_KEY = "vllm_evict_plan"
 DEFAULT_CHUNK_SIZE = 128  # SPEC §4.3: the paper's block size
 MAX_CHUNK_SIZE = 1 << 20

@@ -2,18 +2,21 @@
 
 Accounting (no worker report needed): a request that evicts at prompt position E with P pages per KV
 head keeps exactly P*H_kv head-pages per layer, i.e. exactly P blocks, because a block holds one page
-of every KV head. So after compaction it needs `P + cdiv(tokens after E, block_size)` blocks.
+of every KV head. So after compaction it needs `F + cdiv(tokens after E, block_size)` blocks, F = P.
+Ada-KV under tensor parallelism is the exception: a rank's heads may win more than their P*H_kv/TP
+pages, so it holds F = min(P*H_kv/H, cdiv(E, block_size)) fresh blocks, the most any rank can need
+(compaction.py; H = the KV heads of one rank).
 
 Life of an evicting request, as the scheduler sees it:
 1. Prefix-cache hits are capped at E - max(w, 1) so a chunk ends at E and the worker computes the
    window queries itself.
 2. Prefill chunks are cut so one chunk ends exactly at E.
-3. When that chunk is scheduled, P fresh (never hashed, never shared) blocks are allocated with it and
+3. When that chunk is scheduled, F fresh (never hashed, never shared) blocks are allocated with it and
    sent to the worker after the prompt blocks; the worker compacts the kept pages into them at the end
    of that step, layer by layer. The scheduler then immediately swaps the request's block list to the
    fresh blocks and frees the prompt blocks (they stay valid prefix-cache entries: compaction never
    writes them). Later steps run after this one, so a freed block is reused only after it was read.
-4. From then on the manager sees the request with `removed = E - P*block_size` fewer computed tokens
+4. From then on the manager sees the request with `removed = E - F*block_size` fewer computed tokens
    (positions and RoPE stay semantic on the worker) and never hashes its blocks again.
 Preemption frees everything; the recompute evicts again at the same point.
 
@@ -50,11 +53,12 @@ class SchedulerEviction:
     request: RequestEviction
     points: list[int]      # eviction points, the last is E (one point unless block-wise)
     pages: int             # P
+    blocks: int            # F: fresh blocks it holds once compacted (P, or more for Ada-KV under TP)
     window: int            # w: window queries the worker must compute itself
     chunk: int = 0         # block-wise chunk in tokens (0: one-shot)
     done: int = 0          # eviction points already scheduled
     swap_pending: bool = False
-    removed: int = 0       # last eviction point - P*block_size once compacted
+    removed: int = 0       # last eviction point - F*block_size once compacted
     blocks_before: int = 0  # the most blocks held at a compaction
     prompt_tokens: int = 0
     latency_ms: float | None = None  # scoring + compaction, reported by the worker
@@ -128,12 +132,12 @@ class EvictionKVCacheManager(KVCacheManager):
             finally:
                 request.num_computed_tokens += ev.removed
         elif evicts and not ev.in_place:
-            # The chunk that ends at E: allocate it together with P fresh destination blocks.
-            kwargs["reserved_blocks"] = given["reserved_blocks"] + ev.pages
+            # The chunk that ends at E: allocate it together with F fresh destination blocks.
+            kwargs["reserved_blocks"] = given["reserved_blocks"] + ev.blocks
             new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
             if new_blocks is None:
                 return None
-            fresh = self.block_pool.get_new_blocks(ev.pages)
+            fresh = self.block_pool.get_new_blocks(ev.blocks)
             manager = self.coordinator.single_type_managers[0]
             manager.req_to_blocks[request.request_id].extend(fresh)
             new_blocks = KVCacheBlocks((list(new_blocks.blocks[0]) + list(fresh),))
@@ -151,45 +155,56 @@ class EvictionKVCacheManager(KVCacheManager):
         return peak - held > self.block_pool.get_num_free_blocks()
 
     def swap_to_compacted(self, request_id: str, ev: SchedulerEviction) -> None:
-        """After a compaction step was scheduled: keep the P blocks that hold the kept pages (the fresh ones,
+        """After a compaction step was scheduled: keep the F blocks that hold the kept pages (the fresh ones,
         or the first P when compacting in place), free the rest.
 
         Freed now, read by the worker in the step just scheduled; any reuse happens in a later step."""
         manager = self.coordinator.single_type_managers[0]
         blocks = manager.req_to_blocks[request_id]
         if ev.in_place:
-            kept, freed = blocks[: ev.pages], blocks[ev.pages:]
+            kept, freed = blocks[: ev.blocks], blocks[ev.blocks:]
             ev.blocks_before = max(ev.blocks_before, len(blocks))
         else:
-            kept, freed = blocks[-ev.pages:], blocks[: -ev.pages]
+            kept, freed = blocks[-ev.blocks:], blocks[: -ev.blocks]
             ev.blocks_before = len(freed)
         manager.req_to_blocks[request_id] = kept
         manager.num_cached_block[request_id] = len(kept)
         self.block_pool.free_blocks(reversed(freed))
-        ev.removed = ev.next_point - ev.pages * self.page_size
+        ev.removed = ev.next_point - ev.blocks * self.page_size
         ev.done += 1
         ev.swap_pending = False
 
 
 def peak_blocks(num_tokens: int, block_size: int, ev: SchedulerEviction | None) -> int:
     """The most blocks a request of `num_tokens` (prompt + max_tokens) holds when it runs alone: its
-    whole sequence; with one-shot eviction, P fresh blocks next to the prompt up to E, or P and the tokens
+    whole sequence; with one-shot eviction, F fresh blocks next to the prompt up to E, or F and the tokens
     after E; block-wise, P and a chunk, or P and the tokens after the prompt."""
     if ev is None:
         return -(-num_tokens // block_size)
     after = -(-(num_tokens - ev.evict_at) // block_size)
-    return ev.pages + max(ev.chunk // block_size if ev.in_place else -(-ev.evict_at // block_size), after)
+    return ev.blocks + max(ev.chunk // block_size if ev.in_place else -(-ev.evict_at // block_size), after)
 
 
-def plan_eviction(spec: RequestEviction, num_prompt_tokens: int, block_size: int) -> SchedulerEviction | None:
-    """A request's eviction points and P (None if it evicts nothing)."""
+def kv_head_groups(vllm_config) -> int:
+    """H_kv / H: how many ranks' worth of distinct KV heads a layer has (1 without tensor parallelism)."""
+    model = vllm_config.model_config
+    return model.get_total_num_kv_heads() // model.get_num_kv_heads(vllm_config.parallel_config)
+
+
+def plan_eviction(spec: RequestEviction, num_prompt_tokens: int, block_size: int,
+                  head_groups: int = 1) -> SchedulerEviction | None:
+    """A request's eviction points, P and F (None if it evicts nothing); head_groups: kv_head_groups."""
     evict_at = spec.eviction_point(num_prompt_tokens)
     pages = spec.config.num_pages(evict_at, block_size)
     if pages is None:
         return None
+    blocks = pages
+    if spec.config.allocation == "adakv" and head_groups > 1:  # a rank's heads may win all P*H_kv pages
+        blocks = min(pages * head_groups, -(-evict_at // block_size))
     chunk = spec.chunk_tokens(block_size)
     return SchedulerEviction(request=spec, points=eviction_points(evict_at, pages, block_size, chunk), pages=pages,
-                             window=spec.config.window_size(), chunk=chunk, prompt_tokens=num_prompt_tokens)
+                             blocks=blocks, window=spec.config.window_size(), chunk=chunk,
+                             prompt_tokens=num_prompt_tokens)
 
 
 def never_fit_reason(num_tokens: int, block_size: int, num_blocks: int, ev: SchedulerEviction | None) -> str | None:
@@ -246,12 +261,13 @@ class _EvictionSchedulerMixin:
             self._fail(request)
 
     def _plan(self, request, spec: RequestEviction) -> SchedulerEviction | None:
-        """The request's eviction points and P, also handed to the workers; None if it evicts nothing."""
-        ev = plan_eviction(spec, request.num_prompt_tokens, self.block_size)
+        """The request's eviction points, P and F, also handed to the workers; None if it evicts nothing."""
+        ev = plan_eviction(spec, request.num_prompt_tokens, self.block_size, kv_head_groups(self.vllm_config))
         if ev is None:
             return None
         params = request.sampling_params
-        params.extra_args = {**(params.extra_args or {}), PLAN_KEY: [ev.evict_at, ev.pages, ev.chunk]}  # workers
+        params.extra_args = {**(params.extra_args or {}),
+                             PLAN_KEY: [ev.evict_at, ev.pages, ev.chunk, ev.blocks]}  # for the workers
         self.evictions[request.request_id] = ev
         return ev
 
@@ -346,8 +362,8 @@ class _EvictionSchedulerMixin:
             # pages unless it keeps its whole prefix, so this is exact up to that partial last page.
             "kept_tokens_per_head": min(ev.pages * self.block_size, ev.evict_at),
             "blocks_before": ev.blocks_before,
-            "blocks_after": ev.pages,
-            "blocks_freed": ev.blocks_before - ev.pages,
+            "blocks_after": ev.blocks,
+            "blocks_freed": ev.blocks_before - ev.blocks,
             **({"chunk_size": ev.chunk, "compactions": ev.done} if ev.in_place else {}),
             **({"latency_ms": round(ev.latency_ms, 3)} if ev.latency_ms is not None else {}),
         }

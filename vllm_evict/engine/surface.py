@@ -55,6 +55,11 @@ SURFACE: dict[str, dict[str, str]] = {
         _SCHEDULER + "update_from_output": "self, scheduler_output, model_runner_output",
         # called: a request whose eviction the engine cannot read ends with FINISHED_ERROR
         _SCHEDULER + "finish_requests": "self, request_ids, finished_status",
+        # called: Ada-KV under tensor parallelism (compaction.KVHeadGroup, scheduler.kv_head_groups)
+        "vllm.distributed:tensor_model_parallel_all_gather": "input_, dim=",
+        "vllm.distributed:get_tensor_model_parallel_rank": "",
+        "vllm.config:ModelConfig.get_total_num_kv_heads": "self",
+        "vllm.config:ModelConfig.get_num_kv_heads": "self, parallel_config",
         # plugin.py: the start-up check relaxed by VLLM_EVICT_ALLOW_LONG_PROMPTS
         "vllm.v1.core.kv_cache_utils:_check_enough_kv_cache_memory":
             "available_memory, get_needed_memory, max_model_len, estimate_max_model_len",

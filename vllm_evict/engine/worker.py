@@ -25,7 +25,7 @@ import torch
 from vllm.forward_context import BatchDescriptor, get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
 
-from vllm_evict.engine.compaction import LayerCompaction, compact_request
+from vllm_evict.engine.compaction import KVHeadGroup, LayerCompaction, compact_request
 from vllm_evict.engine.request_config import PLAN_KEY, RequestEviction, eviction_points, parse_request
 
 logger = init_logger(__name__)
@@ -40,6 +40,7 @@ class WorkerEviction:
     window: int                         # w
     page_size: int
     chunk: int = 0                      # block-wise chunk in tokens (0: one-shot eviction at E)
+    blocks: int = 0                     # F: fresh blocks held once compacted (0: P; scheduler.plan_eviction)
     q_window: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [w, Hq, D]
     layers: dict[int, LayerCompaction] = field(default_factory=dict)  # filled during the compaction step
     stacked: tuple | None = None        # per_head.stacked_counts: all layers' page counts, built once
@@ -47,20 +48,21 @@ class WorkerEviction:
     shift: int = 0                      # semantic minus physical positions once compacted
     prompt_blocks: int = 0              # cdiv(E, page_size): prompt blocks before the P fresh ones
     prompt_block_ids: list[int] = field(default_factory=list)  # the blocks read by the compaction step
-    fresh_blocks: list[int] = field(default_factory=list)  # the P blocks it writes (set for that step)
+    fresh_blocks: list[int] = field(default_factory=list)  # the F blocks it writes (set for that step)
     serial: int = field(default_factory=itertools.count().__next__)  # unique per eviction (cache keys)
     failed: bool = False                # its compaction raised: it runs as stock until the scheduler ends it
 
     def __post_init__(self) -> None:
         self.points = eviction_points(self.evict_at, self.pages, self.page_size, self.chunk)
+        self.blocks = self.blocks or self.pages
 
     @property
     def compacted(self) -> bool:
         return self.done > 0
 
     def advance(self) -> None:
-        """The compaction at the next eviction point has run: positions shift by that point - P pages."""
-        self.shift = self.next_point - self.pages * self.page_size
+        """The compaction at the next eviction point has run: positions shift by that point - F pages."""
+        self.shift = self.next_point - self.blocks * self.page_size
         self.done += 1
 
     @property
@@ -140,6 +142,7 @@ class WorkerEvictionState:
         self.failed: dict[str, str] = {}         # request id -> why its compaction failed (not yet sent)
         self.step_cache: dict = {}               # per_head's cross-step cache (StepPlan.cache)
         self.capturing_per_head = False          # capturing a PerHeadDecodeBatch graph
+        self.heads: KVHeadGroup | None = None    # this rank's KV heads (set by the first plan)
 
     def attach_report(self, output):
         """Send compaction latencies and failures to the scheduler on a ModelRunnerOutput (attributes
@@ -169,11 +172,11 @@ class WorkerEvictionState:
         extra_args = (req.sampling_params.extra_args if req and req.sampling_params else None) or {}
         if PLAN_KEY not in extra_args:  # the scheduler found nothing to evict
             return None
-        evict_at, pages, chunk = extra_args[PLAN_KEY]
+        evict_at, pages, chunk, blocks = extra_args[PLAN_KEY]
         spec = parse_request(extra_args)  # the scheduler read it, so it is readable
         page_size = runner.cache_config.block_size
         return WorkerEviction(req_id=req_id, spec=spec, evict_at=evict_at, pages=pages,
-                              window=spec.config.window_size(), page_size=page_size, chunk=chunk,
+                              window=spec.config.window_size(), page_size=page_size, chunk=chunk, blocks=blocks,
                               prompt_blocks=-(-evict_at // page_size))
 
     def _forget(self, req_id: str) -> None:
@@ -192,9 +195,9 @@ class WorkerEvictionState:
             req = runner.requests.get(req_id)
             if req is None:
                 continue
-            # the blocks the scheduler kept: the first P (compacted in place) or all after the prompt's
+            # the blocks the scheduler kept: the first F (compacted in place) or all after the prompt's
             blocks = req.block_ids[0]
-            blocks = blocks[: state.pages] if state.chunk else blocks[state.prompt_blocks:]
+            blocks = blocks[: state.blocks] if state.chunk else blocks[state.prompt_blocks:]
             req.block_ids = (blocks,) + tuple(req.block_ids[1:])
             row = runner.input_batch.req_id_to_index.get(req_id)
             if row is not None:
@@ -205,6 +208,8 @@ class WorkerEvictionState:
 
     def build_plan(self, runner, scheduler_output) -> None:
         """The step's plan, in O(number of evicting requests); None (stock step) when there are none."""
+        if self.heads is None:
+            self.heads = kv_head_group(runner)
         for req_id in self.arrived:
             state = self._new_state(runner, req_id)
             if state is not None:
@@ -250,12 +255,12 @@ class WorkerEvictionState:
             if computed + count == point:
                 compacting.append(row)
                 blocks = runner.requests[state.req_id].block_ids[0]
-                if state.chunk:  # in place: from the blocks it holds into the first P of them
+                if state.chunk:  # in place: from the blocks it holds into the first F of them
                     state.prompt_block_ids = list(blocks[: -(-state.held // state.page_size)])
-                    state.fresh_blocks = list(blocks[: state.pages])
+                    state.fresh_blocks = list(blocks[: state.blocks])
                 else:
                     state.prompt_block_ids = list(blocks[: state.prompt_blocks])
-                    state.fresh_blocks = list(blocks[state.prompt_blocks: state.prompt_blocks + state.pages])
+                    state.fresh_blocks = list(blocks[state.prompt_blocks: state.prompt_blocks + state.blocks])
                 self.pending_strip[state.req_id] = state
             elif computed + count > point:
                 self._passed_point(state)
@@ -296,7 +301,7 @@ class WorkerEvictionState:
             started = self.latency.start(device)
             try:
                 with torch.profiler.record_function("vllm_evict.compact"):  # a named range in torch profiles
-                    compact_one(state, layers, plan.scale)
+                    compact_one(state, layers, plan.scale, self.heads)
             except Exception as exc:  # one request's failure must not take the batch or the engine down
                 logger.exception("vllm-evict: compaction of request %s failed", state.req_id)
                 state.failed = True
@@ -330,13 +335,24 @@ def shift_positions(runner, plan: StepPlan) -> None:
                                                         positions)
 
 
-def compact_one(state: WorkerEviction, layers: list, scale: float) -> None:
+def compact_one(state: WorkerEviction, layers: list, scale: float, heads: KVHeadGroup = KVHeadGroup()) -> None:
     """compact_request with the request's block ids on the cache's device (pinned copies, no sync)."""
     from vllm_evict.engine.per_head import host_to_device
 
     device = layers[0][1].device
     compact_request(state, layers, scale, host_to_device(state.prompt_block_ids, device),
-                    host_to_device(state.fresh_blocks, device))
+                    host_to_device(state.fresh_blocks, device), heads)
+
+
+def kv_head_group(runner) -> KVHeadGroup:
+    """This worker's KV heads among a layer's (tensor parallelism)."""
+    world = runner.parallel_config.tensor_parallel_size
+    if world == 1:
+        return KVHeadGroup()
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return KVHeadGroup(rank=get_tensor_model_parallel_rank(), world=world,
+                       total=runner.model_config.get_total_num_kv_heads())
 
 
 def warm_up_scoring(runner) -> None:
