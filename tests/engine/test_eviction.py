@@ -193,7 +193,7 @@ def test_blocks_held_and_no_leaks(engine):
         for req_id, ev in scheduler.evictions.items():
             if ev.compacted:
                 request = scheduler.requests[req_id]
-                physical = ev.blocks * PAGE + request.num_computed_tokens - ev.evict_at
+                physical = ev.held_blocks * PAGE + request.num_computed_tokens - ev.evict_at
                 external_id = req_id.rsplit("-", 1)[0]  # vLLM appends a random suffix
                 assert ev.pages == expected_pages[external_id]
                 assert len(manager.req_to_blocks[req_id]) == -(-physical // PAGE), req_id

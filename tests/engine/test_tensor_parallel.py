@@ -45,8 +45,7 @@ def test_adakv_allocates_over_all_heads_as_at_tp1(engine, reference):
     """Ada-KV under TP allocates each layer's P*H_kv pages over all H_kv heads (SPEC §3.4), as TP=1 does:
     the ranks all-gather their heads' scores. Here each rank holds one of the 2 KV heads, so a rank-local
     allocation would be the uniform one; the reference's Ada-KV keeps different counts per head, and the
-    tokens must equal it. A rank may hold up to F = min(2P, ceil(E/16)) fresh blocks (the report says so),
-    and the block pool is back at idle afterwards."""
+    tokens must equal it. The block pool is back at idle afterwards."""
     from vllm_evict.policies import EvictionConfig
 
     pool = scheduler_of(engine).kv_cache_manager.block_pool
@@ -62,17 +61,66 @@ def test_adakv_allocates_over_all_heads_as_at_tp1(engine, reference):
     check_mixed_batch(outputs, cases, reference, prompt, MAX_TOKENS, label="TP=2 ")
     prefill = reference.prefill(prompt)
     uneven = 0
-    for case, out in zip(cases, outputs[1:-1]):
-        config = EvictionConfig.from_dict(case)
-        pages = config.num_pages(len(prompt), PAGE)
-        report = out.kv_transfer_params["vllm_evict"]
-        fresh = min(2 * pages, -(-len(prompt) // PAGE)) if config.allocation == "adakv" else pages
-        assert (report["pages_per_head"], report["blocks_after"]) == (pages, fresh), case
-        if config.allocation == "adakv":
-            kept = reference.generate(prompt, 1, config, page_size=PAGE, prefill=prefill).kept_per_layer
-            uneven += any(len(set(heads)) > 1 for heads in kept)
+    for case in cases[:3]:
+        kept = reference.generate(prompt, 1, EvictionConfig.from_dict(case), page_size=PAGE,
+                                  prefill=prefill).kept_per_layer
+        uneven += any(len(set(heads)) > 1 for heads in kept)
     assert uneven >= 2  # the global allocation is not the uniform one here
     assert pool.get_num_free_blocks() == idle_free
+
+
+def test_adakv_keeps_only_the_fresh_blocks_its_fullest_rank_fills(engine, reference):
+    """An Ada-KV request under TP is given F = min(2P, ceil(E/16)) fresh blocks at compaction (a rank may
+    win all 2P pages of a layer); the workers lay the kept pages over the F' blocks the fullest rank
+    fills, over all layers, and report F'; the scheduler frees the other F - F'. At every step the
+    request holds the blocks of its compacted length (F' once reported), F' is the reference's (one KV
+    head per rank: the most pages one head keeps in any layer) and the report says it; the pool returns
+    to idle."""
+    from vllm_evict.policies import EvictionConfig
+
+    llm_engine, scheduler = engine.llm_engine, scheduler_of(engine)
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    pool = scheduler.kv_cache_manager.block_pool
+    idle_free = pool.get_num_free_blocks()
+    prompt = random_prompt(13, 450)
+    cases = {"adasnap": {"policy": "snapkv", "budget": 0.25, "allocation": "adakv"},
+             "adadrop": {"policy": "dropkv", "budget": 0.3, "allocation": "adakv"},
+             "uniform": {"policy": "dropkv", "budget": 0.3}}
+    for req_id, case in cases.items():
+        llm_engine.add_request(req_id, {"prompt_token_ids": prompt}, params(case, MAX_TOKENS))
+    reports, settled = {}, set()
+    while llm_engine.has_unfinished_requests():
+        for out in llm_engine.step():
+            if out.finished:
+                reports[out.request_id] = out.kv_transfer_params["vllm_evict"]
+        for req_id, ev in scheduler.evictions.items():
+            if ev.compacted:
+                physical = ev.held_blocks * PAGE + scheduler.requests[req_id].num_computed_tokens - ev.evict_at
+                assert len(manager.req_to_blocks[req_id]) == -(-physical // PAGE), req_id
+                if ev.unused is not None and ev.blocks > ev.pages:
+                    settled.add(req_id.rsplit("-", 1)[0])
+    assert settled == {"adasnap", "adadrop"}
+    check_fresh_blocks(reference, prompt, cases, reports)
+    assert pool.get_num_free_blocks() == idle_free
+
+
+def check_fresh_blocks(reference, prompt, cases, reports):
+    """Each report's blocks_after is F' of the reference's allocation (one KV head per rank: the most pages
+    one head keeps in any layer; P under uniform allocation), and F' < F for one Ada-KV case at least."""
+    from vllm_evict.policies import EvictionConfig
+
+    prefill = reference.prefill(prompt)
+    trimmed = 0
+    for req_id, case in cases.items():
+        config = EvictionConfig.from_dict(case)
+        pages = config.num_pages(len(prompt), PAGE)
+        expected = pages
+        if config.allocation == "adakv":
+            kept = reference.generate(prompt, 1, config, page_size=PAGE, prefill=prefill).kept_per_layer
+            expected = max(-(-k // PAGE) for heads in kept for k in heads)
+            trimmed += expected < min(2 * pages, -(-len(prompt) // PAGE))
+        assert (reports[req_id]["pages_per_head"], reports[req_id]["blocks_after"]) == (pages, expected), req_id
+    assert trimmed >= 1  # F' < F: blocks were freed after compaction
 
 
 @pytest.mark.parametrize("world,total,rank,heads", [(2, 4, 1, [2, 3]), (4, 8, 2, [4, 5]), (4, 2, 3, [1]),

@@ -15,7 +15,9 @@ Ada-KV under tensor parallelism allocates a layer's P*H_kv pages over all H_kv h
 TP=1: the ranks all-gather their heads' scores and each takes its own heads' counts (KVHeadGroup). A
 rank's heads may then win more than P*H pages, up to min(P*H_kv, H*ceil(E/page_size)); the scheduler
 reserves F = min(P*H_kv/H, ceil(E/page_size)) fresh blocks for such a request so that every rank fits
-(scheduler.plan_eviction), before any score exists.
+(scheduler.plan_eviction), before any score exists. The layout spans only the F' <= F blocks that the
+fullest rank fills (over all layers; every rank computes the same F'), and the workers report F' so the
+scheduler frees the other F - F' (worker.py).
 
 Compaction runs once per step, after the model forward (worker.py), over all layers of a request:
 layers are folded into the head axis (layer-major: head l*H + h), so one scoring call, one selection
@@ -112,13 +114,14 @@ def select_group(config: EvictionConfig, q_window: torch.Tensor | None, keys: to
 
 
 def compaction_slots(keep: torch.Tensor, page_counts: torch.Tensor, fresh_blocks: torch.Tensor,
-                     page_size: int) -> torch.Tensor:
+                     page_size: int, num_blocks: int | torch.Tensor | None = None) -> torch.Tensor:
     """Destination slot [..., E, H] (int64, -1 = evicted) of every prompt token of every head, for kept
-    masks [..., H, E] and pages per head [..., H] (leading axes: layers).
+    masks [..., H, E] and pages per head [..., H] (leading axes: layers), laid out over the first
+    `num_blocks` fresh blocks (default: all; a device scalar is read without a host sync).
 
     Slots address the per-head page view: slot = page * page_size + offset."""
     num_heads = keep.shape[-2]
-    num_pages = fresh_blocks.numel()
+    num_pages = fresh_blocks.numel() if num_blocks is None else num_blocks
     counts = page_counts.unsqueeze(-1)
     virtual = torch.cumsum(keep, dim=-1) - 1                          # rank among the head's kept tokens
     flat = torch.cumsum(counts, -2) - counts + virtual // page_size
@@ -135,7 +138,7 @@ def layer_groups(layers: list, prompt_len: int, num_heads: int, head_dim: int, i
 
 
 def compact_request(state, layers: list[tuple[int, object]], scale: float, prompt_blocks: torch.Tensor,
-                    fresh_blocks: torch.Tensor, heads: KVHeadGroup = KVHeadGroup()) -> None:
+                    fresh_blocks: torch.Tensor, heads: KVHeadGroup = KVHeadGroup()) -> torch.Tensor | None:
     """Score, select and move the tokens one request holds (its prompt up to the eviction point, or for
     block-wise eviction its kept pages and the chunks since) into P blocks, in every layer.
 
@@ -143,24 +146,55 @@ def compact_request(state, layers: list[tuple[int, object]], scale: float, promp
     prompt_blocks / fresh_blocks: the blocks read / written, on the cache's device. The written blocks may
     be the first P read ones (block-wise eviction): each group is gathered whole before it is written.
     heads: this rank's KV heads among the layer's (tensor parallelism).
-    Fills state.layers."""
-    E, N, cache = state.held, state.page_size, layers[0][1]
-    H, D = cache.num_heads, cache.head_dim
-    for group in layer_groups(layers, E, H, D, cache.dtype.itemsize):
-        G, caches = len(group), [layer_cache for _, layer_cache in group]
-        keys = torch.empty(E, G, H, D, dtype=cache.dtype, device=cache.device)
-        values = torch.empty_like(keys)
-        cache.gather_layers(caches, prompt_blocks, E, keys, values)
+    Fills state.layers. Returns, for Ada-KV under TP, the fresh blocks F' <= F that the fullest rank fills
+    (a device scalar): the layout spans those, and the other F - F' are never written; else None."""
+    E, cache = state.held, layers[0][1]
+    groups = layer_groups(layers, E, cache.num_heads, cache.head_dim, cache.dtype.itemsize)
+    # Ada-KV under TP: the layout spans the blocks of the fullest rank over all layers, known once every
+    # layer is selected, so the groups are written after that (gathered again, all but the last).
+    deferred = state.blocks > state.pages
+    selected, used = [], None
+    for group in groups:
+        keys, values = _gather(cache, group, prompt_blocks, E)
         q_window = None
         if state.window:
             q_window = torch.stack([state.q_window[index] for index, _ in group], dim=1).flatten(1, 2)
+        G, H, D = len(group), cache.num_heads, cache.head_dim
         keep, counts = select_group(state.spec.config, q_window, keys.view(E, G * H, D), values.view(E, G * H, D),
-                                    scale, N, state.pages, num_layers=G, heads=heads)
+                                    scale, state.page_size, state.pages, num_layers=G, heads=heads)
         keep, counts = keep.view(G, H, E), counts.view(G, H)
-        cache.write_layers(caches, keys, values, compaction_slots(keep, counts, fresh_blocks, N).contiguous())
-        kept = keep.sum(dim=-1)
-        for i, (index, _) in enumerate(group):
-            state.layers[index] = LayerCompaction(page_counts=counts[i], kept=kept[i])
-            if DUMP_DIR:  # kept sets for offline comparison with a reference (GPU checks)
-                point = f".c{state.done}" if state.chunk else ""  # block-wise: one file per compaction
-                torch.save(keep[i].cpu(), os.path.join(DUMP_DIR, f"{state.req_id}{point}.L{index}.pt"))
+        if not deferred:
+            _write_group(state, group, keys, values, keep, counts, fresh_blocks)
+            continue
+        fullest = heads.all_heads(counts.sum(dim=1, keepdim=True)).amax()  # pages of the fullest rank's layer
+        used = fullest if used is None else torch.maximum(used, fullest)
+        selected.append((group, keep, counts))
+    if deferred:
+        used = (used + cache.num_heads - 1) // cache.num_heads
+        for i, (group, keep, counts) in enumerate(selected):
+            if i < len(selected) - 1:  # the last group's K/V are still gathered
+                keys, values = _gather(cache, group, prompt_blocks, E)
+            _write_group(state, group, keys, values, keep, counts, fresh_blocks, used)
+    return used
+
+
+def _gather(cache, group: list, prompt_blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys, values [n, G, H, D] of a layer group's first n held tokens."""
+    keys = torch.empty(n, len(group), cache.num_heads, cache.head_dim, dtype=cache.dtype, device=cache.device)
+    values = torch.empty_like(keys)
+    cache.gather_layers([layer_cache for _, layer_cache in group], prompt_blocks, n, keys, values)
+    return keys, values
+
+
+def _write_group(state, group: list, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor,
+                 counts: torch.Tensor, fresh_blocks: torch.Tensor, num_blocks: torch.Tensor | None = None) -> None:
+    """Write a layer group's kept tokens (keep [G, H, E], counts [G, H]) and record its layout."""
+    caches = [layer_cache for _, layer_cache in group]
+    slots = compaction_slots(keep, counts, fresh_blocks, state.page_size, num_blocks).contiguous()
+    caches[0].write_layers(caches, keys, values, slots)
+    kept = keep.sum(dim=-1)
+    for i, (index, _) in enumerate(group):
+        state.layers[index] = LayerCompaction(page_counts=counts[i], kept=kept[i])
+        if DUMP_DIR:  # kept sets for offline comparison with a reference (GPU checks)
+            point = f".c{state.done}" if state.chunk else ""  # block-wise: one file per compaction
+            torch.save(keep[i].cpu(), os.path.join(DUMP_DIR, f"{state.req_id}{point}.L{index}.pt"))

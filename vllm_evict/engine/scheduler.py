@@ -4,8 +4,10 @@ Accounting (no worker report needed): a request that evicts at prompt position E
 head keeps exactly P*H_kv head-pages per layer, i.e. exactly P blocks, because a block holds one page
 of every KV head. So after compaction it needs `F + cdiv(tokens after E, block_size)` blocks, F = P.
 Ada-KV under tensor parallelism is the exception: a rank's heads may win more than their P*H_kv/TP
-pages, so it holds F = min(P*H_kv/H, cdiv(E, block_size)) fresh blocks, the most any rank can need
-(compaction.py; H = the KV heads of one rank).
+pages, so it is given F = min(P*H_kv/H, cdiv(E, block_size)) fresh blocks, the most any rank can need
+(compaction.py; H = the KV heads of one rank). The workers lay the kept pages out over the F' <= F
+blocks the fullest rank fills and report F' (TRIMMED_ATTR); the scheduler then frees the other F - F'
+(`free_unused_fresh`), which the workers never wrote and dropped from their block tables already.
 
 Life of an evicting request, as the scheduler sees it:
 1. Prefix-cache hits are capped at E - max(w, 1) so a chunk ends at E and the worker computes the
@@ -43,7 +45,7 @@ from vllm.v1.request import RequestStatus
 
 from vllm_evict.engine.request_config import (EXTRA_ARGS_KEY, PLAN_KEY, RequestEviction, eviction_points,
                                               long_prompts_allowed, parse_request)
-from vllm_evict.engine.worker import FAILED_ATTR, LATENCY_ATTR
+from vllm_evict.engine.worker import FAILED_ATTR, LATENCY_ATTR, TRIMMED_ATTR
 
 logger = init_logger(__name__)
 
@@ -53,7 +55,7 @@ class SchedulerEviction:
     request: RequestEviction
     points: list[int]      # eviction points, the last is E (one point unless block-wise)
     pages: int             # P
-    blocks: int            # F: fresh blocks it holds once compacted (P, or more for Ada-KV under TP)
+    blocks: int            # F: fresh blocks it is given at compaction (P, or more for Ada-KV under TP)
     window: int            # w: window queries the worker must compute itself
     chunk: int = 0         # block-wise chunk in tokens (0: one-shot)
     done: int = 0          # eviction points already scheduled
@@ -61,6 +63,7 @@ class SchedulerEviction:
     removed: int = 0       # last eviction point - F*block_size once compacted
     blocks_before: int = 0  # the most blocks held at a compaction
     prompt_tokens: int = 0
+    unused: int | None = 0  # of the F, blocks the layout left empty and that were freed (None: not yet reported)
     latency_ms: float | None = None  # scoring + compaction, reported by the worker
     reported: bool = False           # the report went out on a step's output (before the request ends)
 
@@ -79,6 +82,16 @@ class SchedulerEviction:
     @property
     def in_place(self) -> bool:
         return self.chunk > 0
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks of the kept prefix once compacted (F, less those found unused)."""
+        return self.blocks - (self.unused or 0)
+
+    def reset(self) -> None:
+        """Preempted: everything was freed; the recompute evicts again at the same points."""
+        self.done, self.swap_pending, self.removed = 0, False, 0
+        self.unused = None if self.blocks > self.pages else 0
 
 
 # vLLM's allocate_slots parameters after (self, request, num_new_tokens), and their defaults: passed through,
@@ -147,6 +160,19 @@ class EvictionKVCacheManager(KVCacheManager):
             ev.swap_pending = True  # swapped in _update_after_schedule, once this step's block ids are sent
         return new_blocks
 
+    def free_unused_fresh(self, request_id: str, ev: SchedulerEviction, used: int) -> None:
+        """Free the fresh blocks F' .. F-1 of a compacted request (Ada-KV under TP), which its layout left
+        empty: it now holds F' blocks before its tail, and its compacted length drops by the same pages.
+        Tail blocks were allocated at the same block boundaries in either view, so nothing else moves."""
+        manager = self.coordinator.single_type_managers[0]
+        blocks = manager.req_to_blocks[request_id]
+        unused = blocks[used: ev.blocks]
+        manager.req_to_blocks[request_id] = blocks[:used] + blocks[ev.blocks:]
+        manager.num_cached_block[request_id] -= len(unused)
+        self.block_pool.free_blocks(reversed(unused))
+        ev.removed += len(unused) * self.page_size
+        ev.unused = len(unused)
+
     def _blocks_short(self, request, ev: SchedulerEviction) -> bool:
         """Whether the free pool lacks what a block-wise request holds at its prefill peak (P pages and a
         chunk); vLLM's own check asks the same of a request's whole prompt."""
@@ -202,9 +228,11 @@ def plan_eviction(spec: RequestEviction, num_prompt_tokens: int, block_size: int
     if spec.config.allocation == "adakv" and head_groups > 1:  # a rank's heads may win all P*H_kv pages
         blocks = min(pages * head_groups, -(-evict_at // block_size))
     chunk = spec.chunk_tokens(block_size)
-    return SchedulerEviction(request=spec, points=eviction_points(evict_at, pages, block_size, chunk), pages=pages,
-                             blocks=blocks, window=spec.config.window_size(), chunk=chunk,
-                             prompt_tokens=num_prompt_tokens)
+    ev = SchedulerEviction(request=spec, points=eviction_points(evict_at, pages, block_size, chunk), pages=pages,
+                           blocks=blocks, window=spec.config.window_size(), chunk=chunk,
+                           prompt_tokens=num_prompt_tokens)
+    ev.reset()
+    return ev
 
 
 def never_fit_reason(num_tokens: int, block_size: int, num_blocks: int, ev: SchedulerEviction | None) -> str | None:
@@ -285,8 +313,8 @@ class _EvictionSchedulerMixin:
     def _preempt_request(self, request, timestamp) -> None:
         super()._preempt_request(request, timestamp)
         ev = self.evictions.get(request.request_id)
-        if ev is not None:  # everything was freed; the recompute evicts again at the same points
-            ev.done, ev.swap_pending, ev.removed = 0, False, 0
+        if ev is not None:
+            ev.reset()
 
     def _update_after_schedule(self, scheduler_output) -> None:
         super()._update_after_schedule(scheduler_output)
@@ -296,13 +324,19 @@ class _EvictionSchedulerMixin:
                 self.kv_cache_manager.swap_to_compacted(req_id, ev)
 
     def update_from_output(self, scheduler_output, model_runner_output):
-        ready = []
-        for req_id, ms in (getattr(model_runner_output, LATENCY_ATTR, None) or {}).items():
+        latency = getattr(model_runner_output, LATENCY_ATTR, None) or {}
+        for req_id, ms in latency.items():
             ev = self.evictions.get(req_id)
             if ev is not None:
                 ev.latency_ms = (ev.latency_ms or 0.0) + ms
-                if ev.next_point is None and not ev.reported:  # its last compaction is done
-                    ready.append(req_id)
+        trimmed = getattr(model_runner_output, TRIMMED_ATTR, None) or {}
+        for req_id, used in trimmed.items():
+            ev = self.evictions.get(req_id)
+            if ev is not None and ev.compacted and ev.unused is None:  # else preempted or finished since
+                self.kv_cache_manager.free_unused_fresh(req_id, ev, used)
+        # reported once its last compaction's latency and block count are both known
+        ready = [req_id for req_id in {**latency, **trimmed} if (ev := self.evictions.get(req_id)) is not None
+                 and ev.next_point is None and not ev.reported and ev.latency_ms is not None and ev.unused is not None]
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if ready:
             self._send_reports(ready, outputs)
@@ -362,8 +396,8 @@ class _EvictionSchedulerMixin:
             # pages unless it keeps its whole prefix, so this is exact up to that partial last page.
             "kept_tokens_per_head": min(ev.pages * self.block_size, ev.evict_at),
             "blocks_before": ev.blocks_before,
-            "blocks_after": ev.blocks,
-            "blocks_freed": ev.blocks_before - ev.blocks,
+            "blocks_after": ev.held_blocks,
+            "blocks_freed": ev.blocks_before - ev.held_blocks,
             **({"chunk_size": ev.chunk, "compactions": ev.done} if ev.in_place else {}),
             **({"latency_ms": round(ev.latency_ms, 3)} if ev.latency_ms is not None else {}),
         }

@@ -51,6 +51,7 @@ class WorkerEviction:
     fresh_blocks: list[int] = field(default_factory=list)  # the F blocks it writes (set for that step)
     serial: int = field(default_factory=itertools.count().__next__)  # unique per eviction (cache keys)
     failed: bool = False                # its compaction raised: it runs as stock until the scheduler ends it
+    used_blocks: "HostCopy | None" = None  # Ada-KV under TP: the F' <= F fresh blocks its layout spans
 
     def __post_init__(self) -> None:
         self.points = eviction_points(self.evict_at, self.pages, self.page_size, self.chunk)
@@ -140,16 +141,19 @@ class WorkerEvictionState:
         self.plan: StepPlan | None = None
         self.latency = CompactionTimer()
         self.failed: dict[str, str] = {}         # request id -> why its compaction failed (not yet sent)
+        self.trimmed: dict[str, int] = {}        # request id -> F' <= F fresh blocks it keeps (not yet sent)
         self.step_cache: dict = {}               # per_head's cross-step cache (StepPlan.cache)
         self.capturing_per_head = False          # capturing a PerHeadDecodeBatch graph
         self.heads: KVHeadGroup | None = None    # this rank's KV heads (set by the first plan)
 
     def attach_report(self, output):
-        """Send compaction latencies and failures to the scheduler on a ModelRunnerOutput (attributes
-        survive the pickling between worker and engine core). vLLM's shared empty output is never touched."""
+        """Send compaction latencies, failures and trimmed fresh blocks to the scheduler on a
+        ModelRunnerOutput (attributes survive the pickling between worker and engine core). vLLM's shared
+        empty output is never touched."""
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-        if output is None or output is EMPTY_MODEL_RUNNER_OUTPUT or not (self.latency.pending or self.failed):
+        if output is None or output is EMPTY_MODEL_RUNNER_OUTPUT or not (self.latency.pending or self.failed
+                                                                          or self.trimmed):
             return output
 
         def annotate(real):
@@ -159,6 +163,9 @@ class WorkerEvictionState:
             if self.failed:
                 setattr(real, FAILED_ATTR, self.failed)
                 self.failed = {}
+            if self.trimmed:
+                setattr(real, TRIMMED_ATTR, self.trimmed)
+                self.trimmed = {}
             return real
 
         if hasattr(output, "get_output"):  # async scheduling: the real output is built later
@@ -198,6 +205,11 @@ class WorkerEvictionState:
             # the blocks the scheduler kept: the first F (compacted in place) or all after the prompt's
             blocks = req.block_ids[0]
             blocks = blocks[: state.blocks] if state.chunk else blocks[state.prompt_blocks:]
+            if state.used_blocks is not None:  # Ada-KV under TP: drop the fresh blocks its layout left empty
+                used = state.used_blocks.read()
+                blocks = blocks[:used] + blocks[state.blocks:]
+                self.trimmed[req_id] = used  # the scheduler frees the same blocks on this report
+                state.blocks, state.used_blocks = used, None
             req.block_ids = (blocks,) + tuple(req.block_ids[1:])
             row = runner.input_batch.req_id_to_index.get(req_id)
             if row is not None:
@@ -301,7 +313,9 @@ class WorkerEvictionState:
             started = self.latency.start(device)
             try:
                 with torch.profiler.record_function("vllm_evict.compact"):  # a named range in torch profiles
-                    compact_one(state, layers, plan.scale, self.heads)
+                    used = compact_one(state, layers, plan.scale, self.heads)
+                if used is not None:
+                    state.used_blocks = HostCopy(used)
             except Exception as exc:  # one request's failure must not take the batch or the engine down
                 logger.exception("vllm-evict: compaction of request %s failed", state.req_id)
                 state.failed = True
@@ -335,13 +349,33 @@ def shift_positions(runner, plan: StepPlan) -> None:
                                                         positions)
 
 
-def compact_one(state: WorkerEviction, layers: list, scale: float, heads: KVHeadGroup = KVHeadGroup()) -> None:
+def compact_one(state: WorkerEviction, layers: list, scale: float,
+                heads: KVHeadGroup = KVHeadGroup()) -> torch.Tensor | None:
     """compact_request with the request's block ids on the cache's device (pinned copies, no sync)."""
     from vllm_evict.engine.per_head import host_to_device
 
     device = layers[0][1].device
-    compact_request(state, layers, scale, host_to_device(state.prompt_block_ids, device),
-                    host_to_device(state.fresh_blocks, device), heads)
+    return compact_request(state, layers, scale, host_to_device(state.prompt_block_ids, device),
+                           host_to_device(state.fresh_blocks, device), heads)
+
+
+class HostCopy:
+    """A device scalar copied to the host without a stream sync; `read` waits for that copy only."""
+
+    def __init__(self, value: torch.Tensor):
+        self.event = None
+        if value.device.type != "cuda":
+            self.host = value
+            return
+        self.host = torch.empty((), dtype=value.dtype, pin_memory=True)
+        self.host.copy_(value, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def read(self) -> int:
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.host)
 
 
 def kv_head_group(runner) -> KVHeadGroup:
@@ -437,6 +471,7 @@ class CompactionTimer:
 
 LATENCY_ATTR = "vllm_evict_latency_ms"
 FAILED_ATTR = "vllm_evict_failed"  # {request id: reason} of compactions that raised
+TRIMMED_ATTR = "vllm_evict_trimmed"  # {request id: F'} of Ada-KV compactions under TP (F - F' blocks left empty)
 STATE = WorkerEvictionState()
 
 
