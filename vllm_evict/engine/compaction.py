@@ -106,9 +106,11 @@ def select_group(config: EvictionConfig, q_window: torch.Tensor | None, keys: to
     if config.allocation == "uniform" or heads.num_heads(local) == 1:
         page_counts = torch.full((rows,), pages, dtype=torch.int64, device=scores.device)
     else:
-        page_counts = adakv_pages(heads.all_heads(scores.view(num_layers, local, n)), pages, page_size=page_size,
-                                  alpha=config.alpha, max_protected=config.protected_count(n),
-                                  sorted_scores=heads.all_heads(ordered.view(num_layers, local, n)))
+        # the allocation reads each head's scores as a multiset (the B-th largest, counts above it, +inf
+        # counts), so the sorted scores serve as both arguments: one all-gather under TP, not two
+        ordered_all = heads.all_heads(ordered.view(num_layers, local, n))
+        page_counts = adakv_pages(ordered_all, pages, page_size=page_size, alpha=config.alpha,
+                                  max_protected=config.protected_count(n), sorted_scores=ordered_all)
         page_counts = heads.local(page_counts).reshape(-1)
     return keep_mask(scores, kept_counts(page_counts, n, page_size), order), page_counts
 

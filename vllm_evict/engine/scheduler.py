@@ -63,7 +63,7 @@ class SchedulerEviction:
     removed: int = 0       # last eviction point - F*block_size once compacted
     blocks_before: int = 0  # the most blocks held at a compaction
     prompt_tokens: int = 0
-    unused: int | None = 0  # of the F, blocks the layout left empty and that were freed (None: not yet reported)
+    unused: int | None = None  # of the F, blocks the layout left empty and were freed (None: not yet known)
     latency_ms: float | None = None  # scoring + compaction, reported by the worker
     reported: bool = False           # the report went out on a step's output (before the request ends)
 
@@ -83,13 +83,17 @@ class SchedulerEviction:
     def in_place(self) -> bool:
         return self.chunk > 0
 
+    def __post_init__(self) -> None:
+        self.reset()
+
     @property
     def held_blocks(self) -> int:
         """Blocks of the kept prefix once compacted (F, less those found unused)."""
         return self.blocks - (self.unused or 0)
 
     def reset(self) -> None:
-        """Preempted: everything was freed; the recompute evicts again at the same points."""
+        """Before any compaction, and again when preempted (everything was freed; the recompute evicts again
+        at the same points)."""
         self.done, self.swap_pending, self.removed = 0, False, 0
         self.unused = None if self.blocks > self.pages else 0
 
@@ -228,11 +232,9 @@ def plan_eviction(spec: RequestEviction, num_prompt_tokens: int, block_size: int
     if spec.config.allocation == "adakv" and head_groups > 1:  # a rank's heads may win all P*H_kv pages
         blocks = min(pages * head_groups, -(-evict_at // block_size))
     chunk = spec.chunk_tokens(block_size)
-    ev = SchedulerEviction(request=spec, points=eviction_points(evict_at, pages, block_size, chunk), pages=pages,
-                           blocks=blocks, window=spec.config.window_size(), chunk=chunk,
-                           prompt_tokens=num_prompt_tokens)
-    ev.reset()
-    return ev
+    return SchedulerEviction(request=spec, points=eviction_points(evict_at, pages, block_size, chunk), pages=pages,
+                             blocks=blocks, window=spec.config.window_size(), chunk=chunk,
+                             prompt_tokens=num_prompt_tokens)
 
 
 def never_fit_reason(num_tokens: int, block_size: int, num_blocks: int, ev: SchedulerEviction | None) -> str | None:
