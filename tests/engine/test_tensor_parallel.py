@@ -25,6 +25,27 @@ def engine(tiny_llama):
             yield llm
 
 
+def test_tp_group_uses_the_communicator_this_build_offers(engine):
+    """The TP=2 tests of this module run through vLLM's CPU shared-memory communicator where this build has
+    it (AVX-512: `torch.ops._C.init_shm_manager`), else through torch.distributed; this says which, and
+    checks that the workers took the path the build offers. The shared-memory path gathers only float32,
+    bf16 and fp16 (issue 30: Ada-KV's int64 page counts failed there)."""
+    import torch  # noqa: F401  (torch.ops._C is vLLM's, loaded with it)
+    import vllm._custom_ops  # noqa: F401
+
+    def communicator(worker) -> str:
+        import torch.distributed
+        from vllm.distributed import get_tp_group
+
+        module = get_tp_group().device_communicator.dist_module
+        return "torch.distributed" if module is torch.distributed else type(module).__name__
+
+    expected = "_CPUSHMDistributed" if hasattr(torch.ops._C, "init_shm_manager") else "torch.distributed"
+    paths = engine.collective_rpc(communicator)
+    print(f"TP=2 communicator path: {paths}")
+    assert paths == [expected] * 2
+
+
 def test_uniform_policies_match_reference_in_one_mixed_batch(engine, reference):
     """Uniform allocation keeps each head's own top pages, so TP cannot change it: four policies and two
     budgets, plain requests around them, one prompt longer than a 256-token prefill chunk; tokens equal
@@ -158,3 +179,35 @@ def test_adakv_fresh_blocks_cover_the_fullest_rank():
     assert fresh("adakv", 0.1, 2) == (7, 14)
     assert fresh("adakv", 0.1, 4) == (7, 28)
     assert fresh("adakv", 0.5, 4) == (32, 63)  # ceil(1000/16): no head keeps more than its prefix
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64, torch.float32, torch.bfloat16])
+def test_scores_and_counts_cross_ranks_through_a_float_only_gather(dtype):
+    """Ada-KV gathers int64 page counts and sorted scores (float64 for the random policy); vLLM's CPU
+    shared-memory all-gather implements only float32/bf16/fp16 and raises for anything else. Through
+    a gather with that restriction, every value comes back bit for bit (int64 words whose float32
+    halves are NaN or denormal patterns included)."""
+    from vllm_evict.engine.compaction import GATHERED_DTYPES, KVHeadGroup, gather_as_float
+
+    world, num_layers, total = 2, 3, 4
+    owned = [[0, 1], [2, 3]]
+    if dtype.is_floating_point:
+        every = torch.randn(num_layers, total, 7, dtype=torch.float64).to(dtype)
+    else:
+        every = torch.randint(-(1 << 62), 1 << 62, (num_layers, total, 7), dtype=dtype)
+        every[0, 0, :3] = torch.tensor([-1, (0x7FC00001 << 32) | 0x7FC00001, 1])  # NaN and denormal halves
+    ranks = [every[:, heads].unsqueeze(0).contiguous() for heads in owned]
+
+    def float_only_all_gather(local, dim):  # what each rank sees: the ranks' inputs concatenated on dim 0
+        if local.dtype not in GATHERED_DTYPES:
+            raise NotImplementedError(f'"shm_all_gather_impl" not implemented for {local.dtype}')
+        assert dim == 0
+        return torch.cat([r.view(local.dtype) for r in ranks], dim=0)
+
+    if dtype not in GATHERED_DTYPES:  # gathered as it is, it fails as on the AVX-512 machine
+        with pytest.raises(NotImplementedError):
+            float_only_all_gather(ranks[0], dim=0)
+    gathered = gather_as_float(float_only_all_gather, ranks[0])
+    assert gathered.dtype == dtype
+    merged = KVHeadGroup(rank=0, world=world, total=total).merge(gathered)
+    assert torch.equal(merged.contiguous().view(torch.uint8), every.view(torch.uint8))

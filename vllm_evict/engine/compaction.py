@@ -73,7 +73,7 @@ class KVHeadGroup:
             return local
         from vllm.distributed import tensor_model_parallel_all_gather
 
-        return self.merge(tensor_model_parallel_all_gather(local.unsqueeze(0).contiguous(), dim=0))
+        return self.merge(gather_as_float(tensor_model_parallel_all_gather, local.unsqueeze(0).contiguous()))
 
     def local(self, per_head: torch.Tensor) -> torch.Tensor:
         """This rank's heads [L, H, ...] of [L, H_kv, ...]."""
@@ -83,6 +83,21 @@ class KVHeadGroup:
         size = per_head.shape[1] // groups
         start = self.rank // self.replicas * size
         return per_head[:, start: start + size]
+
+
+# Every vLLM communicator gathers these; vLLM's CPU shared-memory one (AVX-512 builds) gathers nothing else
+GATHERED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def gather_as_float(all_gather, local: torch.Tensor) -> torch.Tensor:
+    """all_gather(local, dim=0) of a contiguous tensor (at least 1-D) of any dtype whose items are whole
+    4-byte words (int64 page counts, float64 scores), sent as float32 bit patterns: a gather copies
+    bytes, so the words come back exactly."""
+    if local.dtype in GATHERED_DTYPES:
+        return all_gather(local, dim=0)
+    if local.dtype.itemsize % 4:
+        raise TypeError(f"cannot gather {local.dtype} across ranks as float32 words")
+    return all_gather(local.view(torch.float32), dim=0).view(local.dtype)
 
 
 @dataclass
