@@ -43,8 +43,7 @@ def setup(policy: str, n: int, precision: str, allocation: str):
     window = config.window_size()
 
     def run():
-        state = WorkerEviction(req_id="r", spec=RequestEviction(config), evict_at=n, pages=pages, window=window,
-                               page_size=N)
+        state = WorkerEviction.for_prompt("r", RequestEviction(config), n, N)
         state.q_window = {i: torch.randn(window, H * G, D, device=dev, dtype=dt) for i in range(LAYERS)} if window else {}
         blocks = (torch.randperm(num_prompt_blocks, device=dev).to(torch.int32),
                   torch.arange(num_prompt_blocks, num_prompt_blocks + pages, device=dev))

@@ -216,6 +216,10 @@ class EvictMetrics:
         self.evict_kept_tokens = counter("eviction_kept_tokens", "KV tokens kept after eviction (average over "
                                          "layers and KV heads), per evicted request.", ["policy"])
         self.blocks_freed = counter("eviction_blocks_freed", "KV-cache blocks freed by eviction.", ["policy"])
+        self.decode_compactions = counter("decode_compactions", "Decode-time compactions that evicted tokens "
+                                          "(SPEC §4.8 c).", ["policy"])
+        self.decode_evicted_tokens = counter("decode_evicted_tokens", "Tokens evicted by decode-time compactions "
+                                             "(average over layers and KV heads).", ["policy"])
         self.compression = histogram("eviction_compression_ratio", "Kept / prompt KV tokens per evicted request.",
                                      RATIO_BUCKETS, ["policy"])
         self.evict_latency = histogram("eviction_latency_seconds", "Scoring + compaction time per evicted "
@@ -323,6 +327,16 @@ class EvictMetrics:
         latency_ms = _num(report.get("latency_ms"))
         if latency_ms is not None and latency_ms >= 0:
             self.evict_latency.labels(policy=policy).observe(latency_ms / 1000.0)
+        self.observe_decode(None, report, policy)
+
+    def observe_decode(self, previous: dict[str, Any] | None, report: dict[str, Any], policy: str | None = None) -> None:
+        """The decode-time compactions a request's newer report adds to its `previous` one (None: all)."""
+        policy = str(policy or report.get("policy") or "unknown")
+        for key, metric in (("decode_compactions", self.decode_compactions),
+                            ("decode_evicted_tokens", self.decode_evicted_tokens)):
+            added = (_num(report.get(key)) or 0) - (_num((previous or {}).get(key)) or 0)
+            if added > 0:
+                metric.labels(policy=policy).inc(added)
 
 
 _metrics: EvictMetrics | None = None
@@ -342,6 +356,11 @@ def get_metrics() -> EvictMetrics:
 def observe_eviction(report: dict[str, Any], policy: str | None = None) -> None:
     """Record one finished request's eviction report (called in the API process)."""
     get_metrics().observe_eviction(report, policy)
+
+
+def observe_decode(previous: dict[str, Any], report: dict[str, Any]) -> None:
+    """Record the decode-time compactions of a request's newer report (called in the API process)."""
+    get_metrics().observe_decode(previous, report)
 
 
 def check_single_api_process(vllm_config: Any) -> None:

@@ -9,7 +9,6 @@ One engine for the module."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.engine.inprocess import inprocess_llm
 from tests.engine.test_eviction import MAX_TOKENS, check_against_reference, params, random_prompt, scheduler_of
@@ -36,11 +35,16 @@ def engine(tiny_llama):
         yield llm
 
 
+def spec_of(case: dict):
+
+    return spec_of(case)
+
+
 def plan_of(case: dict, prompt_len: int) -> tuple[int, int, list[int]]:
     """(P, chunk tokens, eviction points) of a chunked case."""
-    from vllm_evict.engine.request_config import eviction_points, parse_request
+    from vllm_evict.engine.request_config import eviction_points
 
-    spec = parse_request({"vllm_evict": chunked(case)})
+    spec = spec_of(case)
     pages = spec.config.num_pages(prompt_len, PAGE)
     chunk = spec.chunk_tokens(PAGE)
     return pages, chunk, eviction_points(prompt_len, pages, PAGE, chunk)
@@ -59,9 +63,8 @@ def test_chunked_keydiff_matches_the_chunked_reference_in_a_mixed_batch(engine, 
     check_against_reference(outputs[-1], full, "no eviction (last)")
     differs_from_one_shot = 0
     for case, out in zip(CASES, outputs[1:-1]):
-        config = EvictionConfig.from_dict({k: v for k, v in chunked(case).items() if k != "chunk_size"})
         pages, chunk, points = plan_of(case, len(prompt))
-        expected = reference.generate_chunked(prompt, MAX_TOKENS, config, chunk, page_size=PAGE)
+        expected = reference.replay(prompt, MAX_TOKENS, spec_of(case), page_size=PAGE)
         check_against_reference(out, expected, f"chunked {case}")
         assert expected.kept_per_layer[0] == [pages * PAGE] * len(expected.kept_per_layer[0])
         report = out.kv_transfer_params["vllm_evict"]
@@ -146,8 +149,6 @@ def test_blocks_held_never_exceed_the_budget_plus_a_chunk_and_prompts_beyond_the
 
 def test_a_preempted_chunked_request_starts_over_and_still_matches(engine, reference):
     """Preemption frees everything: the recompute runs the same chunked schedule from the start."""
-    from vllm_evict.policies import EvictionConfig
-
     scheduler = scheduler_of(engine)
     pool = scheduler.kv_cache_manager.block_pool
     idle_free = pool.get_num_free_blocks()
@@ -170,8 +171,6 @@ def test_a_preempted_chunked_request_starts_over_and_still_matches(engine, refer
         patch.setattr(scheduler, "update_from_output", preempt_once)
         out = engine.generate([{"prompt_token_ids": prompt}], params(chunked(case)))[0]
     assert forced
-    config = EvictionConfig.from_dict({"policy": "keydiff", "chunked": True, "budget": 96})
-    _, chunk, _ = plan_of(case, len(prompt))
-    expected = reference.generate_chunked(prompt, MAX_TOKENS, config, chunk, page_size=PAGE)
+    expected = reference.replay(prompt, MAX_TOKENS, spec_of(case), page_size=PAGE)
     assert list(out.outputs[0].token_ids) == expected.token_ids
     assert pool.get_num_free_blocks() == idle_free

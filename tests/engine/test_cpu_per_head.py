@@ -98,8 +98,8 @@ def test_all_layers_at_once_equal_layer_by_layer(monkeypatch, policy, allocation
             kv, cache = make_cache()
             write_standard(kv, keys[i], values[i], prompt_blocks)
             layers.append((i, cache, kv))
-        state = WorkerEviction(req_id="r", spec=RequestEviction(config), evict_at=E, pages=P,
-                               window=config.window_size(), page_size=N, q_window=dict(q_window))
+        state = WorkerEviction.for_prompt("r", RequestEviction(config), E, N, q_window=dict(q_window))
+        assert state.pages == P
         compaction.compact_request(state, [(i, cache) for i, cache, _ in layers], 0.125, prompt_blocks, fresh)
         for i, _, kv in layers:
             pages, counts, kept = expected[i]
@@ -133,7 +133,8 @@ def test_compact_then_decode_matches_explicit(allocation):
     cache.write_pages(keys.reshape(E * H, D), values.reshape(E * H, D), slots.reshape(-1))
 
     config = EvictionConfig.from_dict({"policy": "keydiff", "budget": 32, "allocation": allocation})
-    state = WorkerEviction(req_id="r", spec=RequestEviction(config), evict_at=E, pages=P, window=0, page_size=N)
+    state = WorkerEviction.for_prompt("r", RequestEviction(config), E, N)
+    assert state.pages == P
     state.advance()  # compacted
     state.layers[0] = layout
     # one decode step at position E+3 after 3 tail tokens; tail block 40

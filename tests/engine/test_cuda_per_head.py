@@ -53,7 +53,8 @@ def test_compacted_and_plain_rows_match_explicit(allocation):
     write_standard(plain_k[: L1 - m1], plain_v[: L1 - m1], plain_blocks)
 
     config = EvictionConfig.from_dict({"policy": "keydiff", "budget": 64})
-    state = WorkerEviction(req_id="r", spec=RequestEviction(config), evict_at=E, pages=P, window=0, page_size=N)
+    state = WorkerEviction.for_prompt("r", RequestEviction(config), E, N)
+    assert state.pages == P
     state.advance()  # compacted
     state.layers[0] = layout
     block_table = torch.tensor([fresh + tail, plain_blocks.tolist() + [0, 0]], device=dev, dtype=torch.int32)

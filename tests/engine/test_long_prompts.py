@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.engine.inprocess import inprocess_llm
-from tests.engine.test_chunked_eviction import chunked, plan_of
+from tests.engine.test_chunked_eviction import chunked, plan_of, spec_of
 from tests.engine.test_eviction import params, random_prompt
 from vllm_evict.engine.request_config import LONG_PROMPTS_ENV
 
@@ -41,7 +41,6 @@ def run(llm_engine, requests: dict) -> dict:
 
 
 def test_a_chunked_prompt_longer_than_the_cache_runs_and_matches(engine, reference):
-    from vllm_evict.policies import EvictionConfig
 
     scheduler = engine.llm_engine.engine_core.engine_core.scheduler
     pool = scheduler.kv_cache_manager.block_pool
@@ -51,9 +50,7 @@ def test_a_chunked_prompt_longer_than_the_cache_runs_and_matches(engine, referen
     case = {"budget": 128, "chunk_size": 64}
     out = run(engine.llm_engine, {"long": (prompt, params(chunked(case)))})["long"]
     pages, chunk, points = plan_of(case, len(prompt))
-    expected = reference.generate_chunked(
-        prompt, len(out.outputs[0].token_ids), EvictionConfig.from_dict({"policy": "keydiff", "budget": 128,
-                                                                           "chunked": True}), chunk, page_size=PAGE)
+    expected = reference.replay(prompt, len(out.outputs[0].token_ids), spec_of(case), page_size=PAGE)
     assert list(out.outputs[0].token_ids) == expected.token_ids and expected.token_ids
     report = out.kv_transfer_params["vllm_evict"]
     assert report["compactions"] == len(points) and report["blocks_before"] == pages + chunk // PAGE

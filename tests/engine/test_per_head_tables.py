@@ -17,9 +17,9 @@ N, H, L = 4, 3, 3  # page size, KV heads, layers
 
 
 def compacted_state(rng, evict_at, num_fresh):
-    config = EvictionConfig.from_dict({"policy": "keydiff", "budget": 8, "allocation": "adakv"})
-    state = WorkerEviction(req_id="r", spec=RequestEviction(config), evict_at=evict_at, pages=num_fresh, window=0,
-                           page_size=N)
+    config = EvictionConfig.from_dict({"policy": "keydiff", "budget": num_fresh * N, "allocation": "adakv"})
+    state = WorkerEviction.for_prompt("r", RequestEviction(config), evict_at, N)
+    assert state.pages == num_fresh
     state.advance()  # compacted
     for layer in range(L):
         # uneven pages per head (at least one each), P*H in all

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.engine.inprocess import inprocess_llm, two_cpu_workers
-from tests.engine.test_eviction import (PAGE, check_against_reference, check_mixed_batch, params, random_prompt,
+from tests.engine.test_eviction import (PAGE, check_mixed_batch, params, random_prompt,
                                        scheduler_of)
 
 pytestmark = pytest.mark.engine
@@ -97,7 +97,6 @@ def test_adakv_keeps_only_the_fresh_blocks_its_fullest_rank_fills(engine, refere
     request holds the blocks of its compacted length (F' once reported), F' is the reference's (one KV
     head per rank: the most pages one head keeps in any layer) and the report says it; the pool returns
     to idle."""
-    from vllm_evict.policies import EvictionConfig
 
     llm_engine, scheduler = engine.llm_engine, scheduler_of(engine)
     manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]

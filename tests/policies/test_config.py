@@ -109,7 +109,7 @@ def test_from_flat_errors(flat, needle):
         ({"policy": "snapkv", "budget": 0.1, "gqa": "sum"}, "gqa", "sum"),
         ({"policy": "snapkv", "budget": 0.1, "alpha": 1.5}, "alpha", "1.5"),
         ({"policy": "snapkv", "budget": 0.1, "alpha": -0.2}, "alpha", "-0.2"),
-        ({"policy": "snapkv", "budget": 0.1, "chunked": True}, "chunked", "snapkv"),
+        ({"policy": "random", "budget": 0.1, "seed": 1.5}, "seed", "1.5"),
         ({"policy": "keydiff", "budget": 0.1, "chunked": True, "allocation": "adakv"}, "chunked", "adakv"),
         ({"policy": "keydiff", "budget": 0.1, "chunked": "yes"}, "chunked", "yes"),
         ({"policy": "caote", "budget": 0.1, "caote_base": "keydiff"}, "caote_base", "keydiff"),
@@ -132,6 +132,9 @@ def test_from_dict_accepts_valid_edge_values():
     assert EvictionConfig.from_dict({"policy": "snapkv", "budget": 1.0}).budget == 1.0
     assert EvictionConfig.from_dict({"policy": "keydiff", "budget": 16, "window": 0}).window == 0
     assert EvictionConfig.from_dict({"policy": "keydiff", "budget": 16, "chunked": True}).chunked
+    # SPEC §4.8: block-wise eviction for every policy (uniform allocation in this version)
+    assert all(EvictionConfig.from_dict({"policy": p, "budget": 16, "chunked": True}).chunked for p in POLICIES)
+    assert EvictionConfig.from_dict({"policy": "random", "budget": 16, "seed": -3}).seed == -3
     assert EvictionConfig.from_dict({"policy": "snapkv", "budget": 0.5, "alpha": 0}).alpha == 0.0
     assert EvictionConfig.from_dict({"policy": "snapkv", "budget": 0.5, "pool_kernel": 1}).pool_kernel == 1
     # streaming ignores adakv (SPEC §3.4): stored as uniform

@@ -86,12 +86,12 @@ def test_custom_scale_is_used():
 def test_registry_names_and_defaults():
     assert set(POLICIES) == {
         "snapkv", "dropkv", "keydiff", "obcache-value", "obcache-key", "obcache-joint",
-        "caote", "fastcaote", "streaming", "tova", "h2o", "knorm",
+        "caote", "fastcaote", "streaming", "tova", "h2o", "knorm", "random",
     }
     table = {  # SPEC §4: (w, kappa, sink)
         "snapkv": (32, 7, 0), "dropkv": (8, 11, 0), "keydiff": (0, 1, 0), "obcache-value": (32, 7, 0),
         "obcache-key": (32, 7, 0), "obcache-joint": (32, 7, 0), "streaming": (0, 1, 4), "tova": (1, 1, 0),
-        "h2o": (32, 1, 0), "knorm": (0, 1, 0),
+        "h2o": (32, 1, 0), "knorm": (0, 1, 0), "random": (0, 1, 0),
     }
     for name, (w, kappa, sink) in table.items():
         p = get_policy(name)

@@ -66,7 +66,7 @@ def test_low_precision_equals_fp32_upcast(policy, dtype):
     q, k, v = random_qkv(n=33, w=4, seed=24, dtype=dtype)
     low = score_tokens(policy, q, k, v, gqa="max")
     up = score_tokens(policy, q.float(), k.float(), v.float(), gqa="max")
-    assert low.dtype == torch.float32
+    assert low.dtype == (torch.float64 if policy == "random" else torch.float32)  # random: 32-bit hash scores
     assert torch.equal(low, up)
 
 

@@ -31,9 +31,11 @@ EVICTION_SCHEMA = {"anyOf": [
         "policy": {"anyOf": [{"enum": [*POLICIES, "none"]}, {"type": "string"}, ANY]},
         "budget": {"anyOf": [{"type": "number"}, {"type": "integer"}, {"type": "string"}, ANY]},
         "allocation": {"anyOf": [{"enum": list(ALLOCATIONS)}, ANY]},
-        **{name: {"anyOf": [{"type": "integer"}, ANY]} for name in ("evict_at", "window", "pool_kernel", "sink")},
+        **{name: {"anyOf": [{"type": "integer"}, ANY]} for name in ("evict_at", "window", "pool_kernel", "sink",
+                                                                  "decode_budget", "decode_every", "seed")},
         "alpha": {"anyOf": [{"type": "number"}, ANY]},
         "chunked": ANY,
+        "protect_prompt": ANY,
     }},
     ANY,
 ]}

@@ -33,9 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_evict.policies import keep_mask, kept_counts, score_tokens
+from vllm_evict.policies import POLICIES, keep_mask, kept_counts, score_tokens
 from vllm_evict.policies.budget import adakv_pages
 from vllm_evict.policies.config import EvictionConfig
+from vllm_evict.policies.random import TokenContext
 from vllm_evict.policies.selection import stable_sort
 
 # Gathered prompt K/V of one layer group: below the activation memory vLLM profiled for a forward pass
@@ -75,6 +76,11 @@ class KVHeadGroup:
 
         return self.merge(gather_as_float(tensor_model_parallel_all_gather, local.unsqueeze(0).contiguous()))
 
+    def global_heads(self, local: int) -> list[int]:
+        """The layer-wide indices of this rank's `local` heads."""
+        start = self.rank // self.replicas * local
+        return list(range(start, start + local))
+
     def local(self, per_head: torch.Tensor) -> torch.Tensor:
         """This rank's heads [L, H, ...] of [L, H_kv, ...]."""
         if self.world == 1:
@@ -110,11 +116,14 @@ class LayerCompaction:
 
 def select_group(config: EvictionConfig, q_window: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
                  scale: float, page_size: int, pages: int, num_layers: int = 1,
-                 heads: KVHeadGroup = KVHeadGroup()) -> tuple[torch.Tensor, torch.Tensor]:
+                 heads: KVHeadGroup = KVHeadGroup(), options: dict | None = None,
+                 context: TokenContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Kept mask [L*H, E] and pages per head [L*H] (int64, on the keys' device) of keys/values [E, L*H, D]
     and window queries [w, L*Hq, D] of L layers folded into the head axis (layer-major); `heads`: where
-    these H heads sit among the layer's (Ada-KV allocates over all of them)."""
-    scores = score_tokens(config.policy, q_window, keys, values, scale=scale, **config.score_options())
+    these H heads sit among the layer's (Ada-KV allocates over all of them); `options`: score_tokens
+    options (default: the config's); `context`: where the tokens sit (the random policy)."""
+    options = config.score_options() if options is None else options
+    scores = score_tokens(config.policy, q_window, keys, values, scale=scale, context=context, **options)
     rows, n = scores.shape
     local = rows // num_layers
     ordered, order = stable_sort(scores)  # one sort per head serves the Ada-KV head counts and the kept mask
@@ -156,30 +165,47 @@ def layer_groups(layers: list, prompt_len: int, num_heads: int, head_dim: int, i
 
 def compact_request(state, layers: list[tuple[int, object]], scale: float, prompt_blocks: torch.Tensor,
                     fresh_blocks: torch.Tensor, heads: KVHeadGroup = KVHeadGroup()) -> torch.Tensor | None:
-    """Score, select and move the tokens one request holds (its prompt up to the eviction point, or for
-    block-wise eviction its kept pages and the chunks since) into P blocks, in every layer.
+    """Score, select and move the tokens one request holds at its next compaction point (request_config.Point:
+    its prompt up to E, or, evicting again, its kept pages and the tokens since) into their blocks, in every
+    layer.
 
     layers: (layer index, paged cache adapter) in layer order; `state` is the worker's WorkerEviction;
     prompt_blocks / fresh_blocks: the blocks read / written, on the cache's device. The written blocks may
-    be the first P read ones (block-wise eviction): each group is gathered whole before it is written.
+    be the first read ones (compaction in place): each group is gathered whole before it is written.
     heads: this rank's KV heads among the layer's (tensor parallelism).
     Fills state.layers. Returns, for Ada-KV under TP, the fresh blocks F' <= F that the fullest rank fills
     (a device scalar): the layout spans those, and the other F - F' are never written; else None."""
-    E, cache = state.held, layers[0][1]
-    groups = layer_groups(layers, E, cache.num_heads, cache.head_dim, cache.dtype.itemsize)
+    point, config, cache = state.point, state.spec.config, layers[0][1]
+    held, fixed = point.held, point.fixed
+    groups = layer_groups(layers, held, cache.num_heads, cache.head_dim, cache.dtype.itemsize)
+    options = {**config.score_options(), "window": point.window, "sink": point.sink}
     # Ada-KV under TP: the layout spans the blocks of the fullest rank over all layers, known once every
     # layer is selected, so the groups are written after that (gathered again, all but the last).
-    deferred = state.blocks > state.pages
+    deferred = not point.in_place and state.blocks > state.pages
     selected, used = [], None
     for group in groups:
-        keys, values = _gather(cache, group, prompt_blocks, E)
+        keys, values = _gather(cache, group, prompt_blocks, held)
+        G, H, D = len(group), cache.num_heads, cache.head_dim
         q_window = None
         if state.window:
             q_window = torch.stack([state.q_window[index] for index, _ in group], dim=1).flatten(1, 2)
-        G, H, D = len(group), cache.num_heads, cache.head_dim
-        keep, counts = select_group(state.spec.config, q_window, keys.view(E, G * H, D), values.view(E, G * H, D),
-                                    scale, state.page_size, state.pages, num_layers=G, heads=heads)
-        keep, counts = keep.view(G, H, E), counts.view(G, H)
+        context = positions = None
+        if POLICIES[config.policy].needs_context:
+            positions = _held_positions(state, point, group, H, keys.device)
+            context = _token_context(state, point, positions, group, heads)
+        n = held - fixed  # the candidates: every held token, or under protect_prompt the generated ones
+        keep, counts = select_group(config, q_window, keys[fixed:].view(n, G * H, D), values[fixed:].view(n, G * H, D),
+                                    scale, state.page_size, point.pages, num_layers=G, heads=heads, options=options,
+                                    context=context)
+        keep, counts = keep.view(G, H, n), counts.view(G, H)
+        if fixed:
+            keep = torch.cat([keep.new_ones(G, H, fixed), keep], dim=-1)
+        if config.allocation == "uniform":  # every head keeps point.kept tokens, in stock layout
+            counts = torch.full_like(counts, -(-point.kept // state.page_size))
+        if positions is not None and config.allocation == "uniform":  # read again at the next point
+            for i, (index, _) in enumerate(group):
+                state.positions[index] = positions[i][keep[i]].view(H, -1)
+            state.positions_at = point.at
         if not deferred:
             _write_group(state, group, keys, values, keep, counts, fresh_blocks)
             continue
@@ -190,9 +216,29 @@ def compact_request(state, layers: list[tuple[int, object]], scale: float, promp
         used = (used + cache.num_heads - 1) // cache.num_heads
         for i, (group, keep, counts) in enumerate(selected):
             if i < len(selected) - 1:  # the last group's K/V are still gathered
-                keys, values = _gather(cache, group, prompt_blocks, E)
+                keys, values = _gather(cache, group, prompt_blocks, held)
             _write_group(state, group, keys, values, keep, counts, fresh_blocks, used)
     return used
+
+
+def _held_positions(state, point, group: list, num_heads: int, device) -> torch.Tensor:
+    """Original positions [G, H, held] of what each head of a layer group holds at this point: what it held
+    after the last point, then every token since."""
+    since = torch.arange(state.positions_at, point.at, device=device)
+    empty = torch.empty(num_heads, 0, dtype=torch.int64, device=device)
+    return torch.stack([torch.cat([state.positions.get(index, empty), since.expand(num_heads, -1)], dim=1)
+                        for index, _ in group])
+
+
+def _token_context(state, point, positions: torch.Tensor, group: list, heads: KVHeadGroup) -> TokenContext:
+    """Where a group's candidates sit, for the policies that read it (random): original positions, and the
+    global head and layer of each folded head."""
+    G, H = positions.shape[:2]
+    device = positions.device
+    layer_ids = torch.tensor([index for index, _ in group], device=device).repeat_interleave(H)
+    head_ids = torch.tensor(heads.global_heads(H), device=device).repeat(G)
+    return TokenContext(positions=positions[..., point.fixed:].reshape(G * H, -1), heads=head_ids, layers=layer_ids,
+                        compaction=point.index, seed=state.spec.config.seed or 0)
 
 
 def _gather(cache, group: list, prompt_blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

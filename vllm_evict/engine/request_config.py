@@ -1,9 +1,11 @@
-"""A request's eviction parameters as the API process resolves them and the engine reads them.
+"""A request's eviction parameters as the API process resolves them and the engine reads them, and the
+compaction points they give (SPEC §4.8).
 
 The API process resolves a request once (`resolve_request`, canonical nested form in
 `extra_args["vllm_evict"]`). The scheduler parses it when the request arrives, derives the eviction point
-E, the pages per head P and the fresh blocks F once, and hands them to the workers with the request (`extra_args[PLAN_KEY]`),
-so the workers never derive them again and the scheduler never waits for a report from a worker.
+E, the pages per head P and the fresh blocks F once, and hands them to the workers with the request
+(`extra_args[PLAN_KEY]`). Both then walk the same `CompactionSchedule`: where the request compacts, how
+many tokens each head holds there and after it, so the scheduler never waits for a report from a worker.
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ from typing import Any, Mapping
 
 from vllm_evict.policies import EvictionConfig
 from vllm_evict.policies._validate import check_int
-from vllm_evict.policies.config import parse_int_field
+from vllm_evict.policies.config import parse_bool_field, parse_int_field
 
 EXTRA_ARGS_KEY = "vllm_evict"
-# Written by the scheduler for the workers: [E, P, C, F] of a request that evicts (absent: it evicts nothing);
-# C = 0 for one-shot eviction at E, else the chunk of block-wise eviction in tokens (whole pages); F: the
-# fresh blocks it holds once compacted (scheduler.plan_eviction).
+# Written by the scheduler for the workers: [E, P, C, F, n] of a request that evicts (absent: it evicts
+# nothing); P = 0 without prompt eviction (a decode budget only); C = 0 for one-shot eviction at E, else the
+# chunk of block-wise eviction in tokens (whole pages); F: the fresh blocks a one-shot compaction writes
+# (scheduler.plan_eviction); n: the prompt length.
 PLAN_KEY = "vllm_evict_plan"
 DEFAULT_CHUNK_SIZE = 128  # SPEC §4.3: the paper's block size
+DEFAULT_DECODE_EVERY = 128  # SPEC §4.8 c
 MAX_CHUNK_SIZE = 1 << 20
 # Engine-level default for requests that say nothing (e.g. `{"policy": "snapkv", "budget": 0.2}` as JSON).
 DEFAULT_ENV = "VLLM_EVICT_DEFAULT"
@@ -37,11 +41,27 @@ def long_prompts_allowed() -> bool:
 class RequestEviction:
     """What one request asked for. `evict_at` = tokens of the prompt prefix to compress (None = whole prompt):
     the rest of the prompt (e.g. a question) is prefilled after eviction and attends to the kept cache.
-    `chunk_size` (only with chunked=true, SPEC §4.3): prompt tokens per chunk of block-wise eviction."""
+    `chunk_size` (only with chunked=true, SPEC §4.3): prompt tokens per chunk of block-wise eviction.
+    `decode_budget` K_d, `decode_every` C_d, `protect_prompt` (SPEC §4.8 c): evict again while decoding."""
 
     config: EvictionConfig
     evict_at: int | None = None
     chunk_size: int | None = None
+    decode_budget: int | None = None
+    decode_every: int | None = None
+    protect_prompt: bool = False
+
+    def decode_tokens(self, page_size: int) -> int:
+        """C_d rounded up to whole pages; 0 without a decode budget."""
+        if self.decode_budget is None:
+            return 0
+        return -(-(self.decode_every or DEFAULT_DECODE_EVERY) // page_size) * page_size
+
+    def check_page_size(self, page_size: int) -> None:
+        """The checks that need the engine's page size (SPEC §6: decode_budget >= bs)."""
+        if self.decode_budget is not None and self.decode_budget < page_size:
+            raise ValueError(f"decode_budget must be at least the page size ({page_size} tokens), "
+                             f"got {self.decode_budget}")
 
     def eviction_point(self, num_prompt_tokens: int) -> int:
         if self.evict_at is None:
@@ -61,6 +81,12 @@ class RequestEviction:
             d["evict_at"] = self.evict_at
         if self.chunk_size is not None:
             d["chunk_size"] = self.chunk_size
+        if self.decode_budget is not None:
+            d["decode_budget"] = self.decode_budget
+        if self.decode_every is not None:
+            d["decode_every"] = self.decode_every
+        if self.protect_prompt:
+            d["protect_prompt"] = True
         return d
 
 
@@ -76,6 +102,100 @@ def eviction_points(evict_at: int, pages: int, page_size: int, chunk: int) -> li
     return [*range(first, evict_at, chunk), evict_at]
 
 
+@dataclass(frozen=True)
+class Point:
+    """One compaction point of a request (SPEC §4.8 d), uniform allocation: every head holds the same number
+    of tokens, in position order (a one-shot Ada-KV point keeps P pages per head on average)."""
+
+    index: int          # c: the request's compaction index
+    at: int             # tokens written when it runs (right after the forward that writes token at-1)
+    held: int           # tokens each head holds there
+    kept: int           # tokens each head holds after it (== held: it evicts nothing)
+    fixed: int          # leading held tokens that are not candidates (protect_prompt at a decode point)
+    pages: int          # budget pages per head of the candidates: P (prompt points) or P_d (decode points)
+    window: int         # protected last candidates (query-based: their queries score), w clamped to them
+    sink: int           # protected first candidates (those whose original position is < sink)
+    decode: bool
+    in_place: bool      # written into the request's own first blocks (else into F fresh ones: one-shot)
+
+    @property
+    def evicts(self) -> bool:
+        return self.kept < self.held
+
+
+class CompactionSchedule:
+    """Where a request compacts and what each head holds (SPEC §4.8): prompt points (one-shot at E, or
+    block-wise), then a decode point every C_d generated tokens (none without a decode budget). The
+    scheduler and the workers walk the same schedule; `point(c)` extends it lazily (decode points never end)."""
+
+    def __init__(self, spec: RequestEviction, num_prompt_tokens: int, page_size: int):
+        self.spec, self.page_size, self.num_prompt_tokens = spec, page_size, num_prompt_tokens
+        config = spec.config
+        self.evict_at = spec.eviction_point(num_prompt_tokens)
+        self.pages = config.num_pages(self.evict_at, page_size)  # P, None: the prompt is not evicted
+        self.chunk = spec.chunk_tokens(page_size) if self.pages else 0
+        self.decode_every = spec.decode_tokens(page_size)
+        prompt_points = eviction_points(self.evict_at, self.pages, page_size, self.chunk) if self.pages else []
+        self._points: list[Point] = []
+        held = at = 0
+        for index, point in enumerate(prompt_points):
+            held += point - at
+            at = point
+            self._points.append(Point(index, point, held, self.pages * page_size, 0, self.pages,
+                                      min(config.window_size(), held), config.sink_size(), decode=False,
+                                      in_place=self.chunk > 0))
+            held = self.pages * page_size
+        self.prompt_points = len(self._points)
+        # tokens each head holds of the prompt once it is prefilled (the candidates exclude them under protect_prompt)
+        self.prompt_held = held + num_prompt_tokens - at
+
+    @property
+    def evicts(self) -> bool:
+        return bool(self.prompt_points or self.decode_every)
+
+    def point(self, index: int) -> Point | None:
+        """Point c, or None past the last (never with a decode budget)."""
+        while len(self._points) <= index:
+            if not self.decode_every:
+                return None
+            self._points.append(self._decode_point(len(self._points)))
+        return self._points[index]
+
+    def _decode_point(self, index: int) -> Point:
+        k = index - self.prompt_points + 1
+        at = self.num_prompt_tokens + k * self.decode_every
+        if index:
+            prev = self._points[index - 1]
+            held = prev.kept + at - prev.at
+        else:
+            held = at
+        config, bs = self.spec.config, self.page_size
+        fixed = self.prompt_held if self.spec.protect_prompt else 0
+        candidates = held - fixed
+        # sink: candidates whose original position is < sink (generated tokens start at position n)
+        sink = max(0, config.sink_size() - self.num_prompt_tokens) if fixed else config.sink_size()
+        window = min(config.window_size(), candidates)
+        protected = min(candidates, min(sink, candidates) + window)
+        pages = max(-(-self.spec.decode_budget // bs), -(-max(protected, 1) // bs))  # P_d
+        kept = fixed + pages * bs if -(-candidates // bs) > pages else held
+        return Point(index, at, held, kept, fixed, pages, window, sink, decode=True, in_place=True)
+
+    def peak_blocks(self, num_tokens: int, fresh_blocks: int) -> int:
+        """The most blocks the request holds when it runs alone to `num_tokens` (prompt + max_tokens): at each
+        point before it compacts (a one-shot point also holds its F fresh blocks there), and at the end."""
+        bs, peak, at, physical = self.page_size, 0, 0, 0
+        index = 0
+        while (point := self.point(index)) is not None and point.at < num_tokens:
+            peak = max(peak, -(-point.held // bs) + (0 if point.in_place else fresh_blocks))
+            at, physical = point.at, point.kept if point.in_place else fresh_blocks * bs
+            index += 1
+        return max(peak, -(-(physical + num_tokens - at) // bs))
+
+
+# Request fields the engine reads besides the policy's (EvictionConfig)
+ENGINE_FIELDS = ("evict_at", "chunk_size", "decode_budget", "decode_every", "protect_prompt")
+
+
 def _from_mapping(spec: Mapping[str, Any]) -> RequestEviction | None:
     if not isinstance(spec, Mapping):
         raise ValueError(f"{EXTRA_ARGS_KEY} must be an object, got {type(spec).__name__}")
@@ -88,15 +208,31 @@ def _from_mapping(spec: Mapping[str, Any]) -> RequestEviction | None:
         chunk_size = check_int("chunk_size", chunk_size, minimum=1)
         if chunk_size > MAX_CHUNK_SIZE:
             raise ValueError(f"chunk_size must be at most {MAX_CHUNK_SIZE}, got {chunk_size}")
-    config = EvictionConfig.from_dict(spec)
+    decode_budget = spec.pop("decode_budget", None)
+    if decode_budget is not None:
+        decode_budget = check_int("decode_budget", decode_budget, minimum=1)  # >= page size: check_page_size
+    decode_every = spec.pop("decode_every", None)
+    if decode_every is not None:
+        decode_every = check_int("decode_every", decode_every, minimum=1)
+        if decode_every > MAX_CHUNK_SIZE:
+            raise ValueError(f"decode_every must be at most {MAX_CHUNK_SIZE}, got {decode_every}")
+    protect_prompt = spec.pop("protect_prompt", False)
+    if not isinstance(protect_prompt, bool):
+        raise ValueError(f"protect_prompt must be a bool, got {protect_prompt!r}")
+    config = EvictionConfig.from_dict(spec, budget_required=decode_budget is None)
     if config is None:
         return None
+    if decode_budget is None and (decode_every is not None or protect_prompt):
+        raise ValueError("decode_every and protect_prompt need a decode_budget")
+    if decode_budget is not None and config.allocation != "uniform":
+        raise ValueError("decode_budget runs with allocation 'uniform' only in this version (Ada-KV decode-time "
+                         f"eviction is not implemented), got allocation={config.allocation!r}")
     if chunk_size is not None and not config.chunked:
-        raise ValueError(f"chunk_size={chunk_size} needs chunked=true (block-wise keydiff)")
+        raise ValueError(f"chunk_size={chunk_size} needs chunked=true (block-wise eviction)")
     if config.chunked and evict_at is not None:
         raise ValueError("chunked=true evicts block-wise over the whole prompt; it cannot be combined with "
                          f"evict_at={evict_at}")
-    return RequestEviction(config, evict_at, chunk_size)
+    return RequestEviction(config, evict_at, chunk_size, decode_budget, decode_every, protect_prompt)
 
 
 def flat_request(extra_args: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -105,11 +241,10 @@ def flat_request(extra_args: Mapping[str, Any] | None) -> dict[str, Any] | None:
     flat = dict(extra_args or {})
     if not any(str(k).startswith("eviction_") for k in flat):
         return None
-    engine_fields = {name: flat.pop("eviction_" + name) for name in ("evict_at", "chunk_size")
-                     if "eviction_" + name in flat}
+    engine_fields = {name: flat.pop("eviction_" + name) for name in ENGINE_FIELDS if "eviction_" + name in flat}
     fields = EvictionConfig.flat_fields(flat)
-    for name, value in engine_fields.items():  # typed like the config's integer fields; _from_mapping validates
-        fields[name] = parse_int_field(name, value)
+    for name, value in engine_fields.items():  # typed like the config's fields; _from_mapping validates
+        fields[name] = parse_bool_field(name, value) if name == "protect_prompt" else parse_int_field(name, value)
     return fields
 
 

@@ -43,7 +43,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import RequestStatus
 
-from vllm_evict.engine.request_config import (EXTRA_ARGS_KEY, PLAN_KEY, RequestEviction, eviction_points,
+from vllm_evict.engine.request_config import (EXTRA_ARGS_KEY, PLAN_KEY, CompactionSchedule, RequestEviction,
                                               long_prompts_allowed, parse_request)
 from vllm_evict.engine.worker import FAILED_ATTR, LATENCY_ATTR, TRIMMED_ATTR
 
@@ -53,49 +53,78 @@ logger = init_logger(__name__)
 @dataclass
 class SchedulerEviction:
     request: RequestEviction
-    points: list[int]      # eviction points, the last is E (one point unless block-wise)
-    pages: int             # P
-    blocks: int            # F: fresh blocks it is given at compaction (P, or more for Ada-KV under TP)
+    schedule: CompactionSchedule  # the request's compaction points (shared with the workers)
+    blocks: int            # F: fresh blocks a one-shot compaction writes (P, or more for Ada-KV under TP)
     window: int            # w: window queries the worker must compute itself
-    chunk: int = 0         # block-wise chunk in tokens (0: one-shot)
-    done: int = 0          # eviction points already scheduled
+    peak: int = 0          # blocks it holds at its peak, alone (admission, never-fit check)
+    done: int = 0          # compaction points already scheduled
     swap_pending: bool = False
-    removed: int = 0       # last eviction point - F*block_size once compacted
-    blocks_before: int = 0  # the most blocks held at a compaction
-    prompt_tokens: int = 0
+    removed: int = 0       # semantic minus physical length once compacted
+    blocks_before: int = 0  # the most blocks held at a prompt compaction
+    held_after_prompt: int = 0  # blocks held after the last prompt compaction
     unused: int | None = None  # of the F, blocks the layout left empty and were freed (None: not yet known)
+    decode_compactions: int = 0  # decode points that evicted
+    decode_evicted: int = 0      # tokens per head evicted at them
+    decode_blocks_freed: int = 0
     latency_ms: float | None = None  # scoring + compaction, reported by the worker
-    reported: bool = False           # the report went out on a step's output (before the request ends)
+    reported: int = 0                # compactions whose report went out on a step's output
+
+    @property
+    def pages(self) -> int | None:
+        return self.schedule.pages
 
     @property
     def evict_at(self) -> int:
-        return self.points[-1]
+        return self.schedule.evict_at
+
+    @property
+    def chunk(self) -> int:
+        return self.schedule.chunk
+
+    @property
+    def current(self):
+        """The next point to schedule (request_config.Point), None past the last."""
+        return self.schedule.point(self.done)
 
     @property
     def next_point(self) -> int | None:
-        return self.points[self.done] if self.done < len(self.points) else None
+        point = self.current
+        return None if point is None else point.at
 
     @property
     def compacted(self) -> bool:
         return self.done > 0
 
     @property
-    def in_place(self) -> bool:
-        return self.chunk > 0
+    def rewrites_blocks(self) -> bool:
+        """Its first compaction rewrites the blocks it prefilled (block-wise, or a decode budget without a
+        prompt eviction): they must be its own, so it takes no prefix hits and caches nothing."""
+        point = self.schedule.point(0)
+        return point is not None and point.in_place
+
+    @property
+    def bounded(self) -> bool:
+        """It compacts in place again and again, so its peak, not its whole sequence, must fit."""
+        return bool(self.chunk or self.schedule.decode_every)
+
+    @property
+    def prompt_compacted(self) -> bool:
+        return self.done > 0 and self.done >= self.schedule.prompt_points > 0
 
     def __post_init__(self) -> None:
         self.reset()
 
     @property
     def held_blocks(self) -> int:
-        """Blocks of the kept prefix once compacted (F, less those found unused)."""
+        """Blocks of the kept prefix once compacted at the prompt (F, less those found unused)."""
         return self.blocks - (self.unused or 0)
 
     def reset(self) -> None:
         """Before any compaction, and again when preempted (everything was freed; the recompute evicts again
         at the same points)."""
         self.done, self.swap_pending, self.removed = 0, False, 0
-        self.unused = None if self.blocks > self.pages else 0
+        self.decode_compactions = self.decode_evicted = self.decode_blocks_freed = 0
+        self.unused = None if self.pages is not None and self.blocks > self.pages else 0
 
 
 # vLLM's allocate_slots parameters after (self, request, num_new_tokens), and their defaults: passed through,
@@ -115,7 +144,7 @@ class EvictionKVCacheManager(KVCacheManager):
         ev = self.evictions.get(request.request_id)
         if ev is None or ev.compacted or num_hits == 0:
             return (blocks, num_hits, *rest)
-        if ev.in_place:  # compaction rewrites its blocks: they must be its own
+        if ev.rewrites_blocks:  # compaction rewrites its blocks: they must be its own
             return (self.empty_kv_cache_blocks, 0, *rest)
         # At least one token (and all w window tokens) before E must be computed here, so that a chunk
         # ends at E and the worker sees the window queries.
@@ -135,10 +164,11 @@ class EvictionKVCacheManager(KVCacheManager):
         given = {**_ALLOCATE_SLOTS_DEFAULTS, **kwargs}
         chunk_end = (request.num_computed_tokens + given["num_new_computed_tokens"]
                      + given["num_external_computed_tokens"] + num_new_tokens)
-        evicts = chunk_end == ev.next_point
-        if ev.in_place or ev.compacted:  # never hashed: compacted blocks, or blocks compaction rewrites
+        point = ev.current
+        evicts = point is not None and chunk_end == point.at
+        if ev.rewrites_blocks or ev.compacted:  # never hashed: compacted blocks, or blocks compaction rewrites
             kwargs["delay_cache_blocks"] = True
-        if ev.in_place and given["full_sequence_must_fit"]:  # admission: its peak, not its prompt, must fit
+        if ev.bounded and given["full_sequence_must_fit"]:  # admission: its peak, not its sequence, must fit
             kwargs["full_sequence_must_fit"] = False
             if self._blocks_short(request, ev):
                 return None
@@ -148,7 +178,7 @@ class EvictionKVCacheManager(KVCacheManager):
                 new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
             finally:
                 request.num_computed_tokens += ev.removed
-        elif evicts and not ev.in_place:
+        elif evicts and not point.in_place:
             # The chunk that ends at E: allocate it together with F fresh destination blocks.
             kwargs["reserved_blocks"] = given["reserved_blocks"] + ev.blocks
             new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
@@ -176,43 +206,50 @@ class EvictionKVCacheManager(KVCacheManager):
         self.block_pool.free_blocks(reversed(unused))
         ev.removed += len(unused) * self.page_size
         ev.unused = len(unused)
+        ev.held_after_prompt -= len(unused)
 
     def _blocks_short(self, request, ev: SchedulerEviction) -> bool:
-        """Whether the free pool lacks what a block-wise request holds at its prefill peak (P pages and a
-        chunk); vLLM's own check asks the same of a request's whole prompt."""
-        peak = peak_blocks(request.num_prompt_tokens, self.page_size, ev)
+        """Whether the free pool lacks what a request that compacts in place holds at its peak (block-wise:
+        P pages and a chunk; a decode budget: P_d pages and C_d tokens); vLLM's own check asks the same of a
+        request's whole sequence."""
         held = len(self.coordinator.single_type_managers[0].req_to_blocks.get(request.request_id, ()))
-        return peak - held > self.block_pool.get_num_free_blocks()
+        return ev.peak - held > self.block_pool.get_num_free_blocks()
 
     def swap_to_compacted(self, request_id: str, ev: SchedulerEviction) -> None:
-        """After a compaction step was scheduled: keep the F blocks that hold the kept pages (the fresh ones,
-        or the first P when compacting in place), free the rest.
+        """After a compaction step was scheduled: keep the blocks that hold the kept pages (the F fresh ones,
+        or, compacting in place, the first ones its kept tokens fill), free the rest.
 
         Freed now, read by the worker in the step just scheduled; any reuse happens in a later step."""
         manager = self.coordinator.single_type_managers[0]
         blocks = manager.req_to_blocks[request_id]
-        if ev.in_place:
-            kept, freed = blocks[: ev.blocks], blocks[ev.blocks:]
-            ev.blocks_before = max(ev.blocks_before, len(blocks))
+        point = ev.current
+        if point.in_place:
+            count = -(-point.kept // self.page_size)
+            kept, freed = blocks[:count], blocks[count:]
+            ev.removed = point.at - point.kept
         else:
             kept, freed = blocks[-ev.blocks:], blocks[: -ev.blocks]
-            ev.blocks_before = len(freed)
+            ev.removed = point.at - ev.blocks * self.page_size
+        if point.decode:
+            ev.decode_compactions += point.evicts
+            ev.decode_evicted += point.held - point.kept
+            ev.decode_blocks_freed += len(freed)
+        else:
+            ev.blocks_before = max(ev.blocks_before, len(blocks) if point.in_place else len(freed))
+            ev.held_after_prompt = len(kept)
         manager.req_to_blocks[request_id] = kept
         manager.num_cached_block[request_id] = len(kept)
         self.block_pool.free_blocks(reversed(freed))
-        ev.removed = ev.next_point - ev.blocks * self.page_size
         ev.done += 1
         ev.swap_pending = False
 
 
 def peak_blocks(num_tokens: int, block_size: int, ev: SchedulerEviction | None) -> int:
     """The most blocks a request of `num_tokens` (prompt + max_tokens) holds when it runs alone: its
-    whole sequence; with one-shot eviction, F fresh blocks next to the prompt up to E, or F and the tokens
-    after E; block-wise, P and a chunk, or P and the tokens after the prompt."""
+    whole sequence, or what its compaction schedule holds at its fullest (CompactionSchedule.peak_blocks)."""
     if ev is None:
         return -(-num_tokens // block_size)
-    after = -(-(num_tokens - ev.evict_at) // block_size)
-    return ev.blocks + max(ev.chunk // block_size if ev.in_place else -(-ev.evict_at // block_size), after)
+    return ev.schedule.peak_blocks(num_tokens, ev.blocks)
 
 
 def kv_head_groups(vllm_config) -> int:
@@ -221,20 +258,20 @@ def kv_head_groups(vllm_config) -> int:
     return model.get_total_num_kv_heads() // model.get_num_kv_heads(vllm_config.parallel_config)
 
 
-def plan_eviction(spec: RequestEviction, num_prompt_tokens: int, block_size: int,
-                  head_groups: int = 1) -> SchedulerEviction | None:
-    """A request's eviction points, P and F (None if it evicts nothing); head_groups: kv_head_groups."""
-    evict_at = spec.eviction_point(num_prompt_tokens)
-    pages = spec.config.num_pages(evict_at, block_size)
-    if pages is None:
+def plan_eviction(spec: RequestEviction, num_prompt_tokens: int, block_size: int, head_groups: int = 1,
+                  max_tokens: int = 0) -> SchedulerEviction | None:
+    """A request's compaction schedule, F and peak (None if it evicts nothing); head_groups: kv_head_groups.
+    Raises ValueError for settings this page size refuses."""
+    spec.check_page_size(block_size)
+    schedule = CompactionSchedule(spec, num_prompt_tokens, block_size)
+    if not schedule.evicts:
         return None
-    blocks = pages
-    if spec.config.allocation == "adakv" and head_groups > 1:  # a rank's heads may win all P*H_kv pages
-        blocks = min(pages * head_groups, -(-evict_at // block_size))
-    chunk = spec.chunk_tokens(block_size)
-    return SchedulerEviction(request=spec, points=eviction_points(evict_at, pages, block_size, chunk), pages=pages,
-                             blocks=blocks, window=spec.config.window_size(), chunk=chunk,
-                             prompt_tokens=num_prompt_tokens)
+    blocks = pages = schedule.pages or 0
+    if pages and spec.config.allocation == "adakv" and head_groups > 1:  # a rank's heads may win all P*H_kv pages
+        blocks = min(pages * head_groups, -(-schedule.evict_at // block_size))
+    ev = SchedulerEviction(request=spec, schedule=schedule, blocks=blocks, window=spec.config.window_size())
+    ev.peak = peak_blocks(num_prompt_tokens + max_tokens, block_size, ev)
+    return ev
 
 
 def never_fit_reason(num_tokens: int, block_size: int, num_blocks: int, ev: SchedulerEviction | None) -> str | None:
@@ -248,7 +285,7 @@ def never_fit_reason(num_tokens: int, block_size: int, num_blocks: int, ev: Sche
         return None
     return (f"the request can never fit the KV cache: it holds {peak} blocks of {block_size} tokens at its peak "
             f"(prompt + max_tokens = {num_tokens} tokens), the cache has {usable}; shorten it, lower max_tokens "
-            f"or evict block-wise (keydiff chunked=true)")
+            f"or evict again (chunked=true, decode_budget)")
 
 
 class _EvictionSchedulerMixin:
@@ -278,11 +315,11 @@ class _EvictionSchedulerMixin:
             return
         try:
             spec = parse_request(request.sampling_params.extra_args)
+            ev = None if spec is None else self._plan(request, spec)
         except ValueError as exc:  # the API process validates; only a client that bypasses it gets here
             logger.error("vllm-evict: request %s rejected: %s", request.request_id, exc)
             self._fail(request)
             return
-        ev = None if spec is None else self._plan(request, spec)
         # the API process refuses these at arrival (plugin._install_request_validation); this catches the rest
         reason = never_fit_reason(request.num_prompt_tokens + request.max_tokens, self.block_size,
                                   self.kv_cache_manager.block_pool.num_gpu_blocks, ev)
@@ -291,13 +328,14 @@ class _EvictionSchedulerMixin:
             self._fail(request)
 
     def _plan(self, request, spec: RequestEviction) -> SchedulerEviction | None:
-        """The request's eviction points, P and F, also handed to the workers; None if it evicts nothing."""
-        ev = plan_eviction(spec, request.num_prompt_tokens, self.block_size, kv_head_groups(self.vllm_config))
+        """The request's compaction schedule and F, also handed to the workers; None if it evicts nothing."""
+        ev = plan_eviction(spec, request.num_prompt_tokens, self.block_size, kv_head_groups(self.vllm_config),
+                           request.max_tokens)
         if ev is None:
             return None
         params = request.sampling_params
-        params.extra_args = {**(params.extra_args or {}),
-                             PLAN_KEY: [ev.evict_at, ev.pages, ev.chunk, ev.blocks]}  # for the workers
+        params.extra_args = {**(params.extra_args or {}),  # for the workers
+                             PLAN_KEY: [ev.evict_at, ev.pages or 0, ev.chunk, ev.blocks, request.num_prompt_tokens]}
         self.evictions[request.request_id] = ev
         return ev
 
@@ -336,9 +374,10 @@ class _EvictionSchedulerMixin:
             ev = self.evictions.get(req_id)
             if ev is not None and ev.compacted and ev.unused is None:  # else preempted or finished since
                 self.kv_cache_manager.free_unused_fresh(req_id, ev, used)
-        # reported once its last compaction's latency and block count are both known
+        # reported once its prompt compactions' latency and block count are known, again after each decode one
         ready = [req_id for req_id in {**latency, **trimmed} if (ev := self.evictions.get(req_id)) is not None
-                 and ev.next_point is None and not ev.reported and ev.latency_ms is not None and ev.unused is not None]
+                 and ev.done >= ev.schedule.prompt_points and ev.done > ev.reported and ev.latency_ms is not None
+                 and ev.unused is not None]
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if ready:
             self._send_reports(ready, outputs)
@@ -374,35 +413,47 @@ class _EvictionSchedulerMixin:
             for output in engine_outputs.outputs:
                 ev = pending.pop(output.request_id, None)
                 if ev is not None:
-                    output.kv_transfer_params = {**(output.kv_transfer_params or {}), EXTRA_ARGS_KEY: self._report(ev)}
-                    ev.reported = True
+                    output.kv_transfer_params = {**(output.kv_transfer_params or {}), EXTRA_ARGS_KEY: self._report(ev, self.requests.get(output.request_id))}
+                    ev.reported = ev.done
 
     def _free_request(self, request, delay_free_blocks: bool = False):
         kv_xfer_params, ec_xfer_params = super()._free_request(request, delay_free_blocks)
         ev = self.evictions.pop(request.request_id, None)
         if ev is not None and ev.compacted:
             kv_xfer_params = dict(kv_xfer_params or {})
-            kv_xfer_params[EXTRA_ARGS_KEY] = self._report(ev)
+            kv_xfer_params[EXTRA_ARGS_KEY] = self._report(ev, request)
         return kv_xfer_params, ec_xfer_params
 
-    def _report(self, ev: SchedulerEviction) -> dict[str, Any]:
-        config = ev.request.config
-        return {
-            "policy": config.policy,
-            "allocation": config.allocation,
-            "budget": config.budget,
-            "prompt_tokens": ev.prompt_tokens,
-            "evicted_prefix_tokens": ev.evict_at,
-            "pages_per_head": ev.pages,
-            # Average over layers and heads: every layer holds exactly P*H_kv pages; a head keeps whole
-            # pages unless it keeps its whole prefix, so this is exact up to that partial last page.
-            "kept_tokens_per_head": min(ev.pages * self.block_size, ev.evict_at),
-            "blocks_before": ev.blocks_before,
-            "blocks_after": ev.held_blocks,
-            "blocks_freed": ev.blocks_before - ev.held_blocks,
-            **({"chunk_size": ev.chunk, "compactions": ev.done} if ev.in_place else {}),
-            **({"latency_ms": round(ev.latency_ms, 3)} if ev.latency_ms is not None else {}),
-        }
+    def _report(self, ev: SchedulerEviction, request) -> dict[str, Any]:
+        config, spec, schedule = ev.request.config, ev.request, ev.schedule
+        report = {"policy": config.policy, "allocation": config.allocation, "budget": config.budget,
+                  "prompt_tokens": schedule.num_prompt_tokens}
+        if ev.prompt_compacted:
+            report.update({
+                "evicted_prefix_tokens": ev.evict_at,
+                "pages_per_head": ev.pages,
+                # Average over layers and heads: every layer holds exactly P*H_kv pages; a head keeps whole
+                # pages unless it keeps its whole prefix, so this is exact up to that partial last page.
+                "kept_tokens_per_head": min(ev.pages * self.block_size, ev.evict_at),
+                "blocks_before": ev.blocks_before,
+                "blocks_after": ev.held_after_prompt,
+                "blocks_freed": ev.blocks_before - ev.held_after_prompt,
+                **({"chunk_size": ev.chunk, "compactions": min(ev.done, schedule.prompt_points)} if ev.chunk else {}),
+            })
+        if schedule.decode_every:
+            report.update({
+                "decode_budget": spec.decode_budget,
+                "decode_every": schedule.decode_every,
+                "protect_prompt": spec.protect_prompt,
+                "decode_compactions": ev.decode_compactions,
+                "decode_evicted_tokens": ev.decode_evicted,
+                "decode_blocks_freed": ev.decode_blocks_freed,
+            })
+            if request is not None:  # its physical length's blocks, now
+                report["blocks_held"] = -(-(request.num_computed_tokens - ev.removed) // self.block_size)
+        if ev.latency_ms is not None:
+            report["latency_ms"] = round(ev.latency_ms, 3)
+        return report
 
 
 class EvictionScheduler(_EvictionSchedulerMixin, Scheduler):

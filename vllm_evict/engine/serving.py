@@ -76,11 +76,14 @@ def _attach_reports(make_request_output):
     def wrapped(self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params=None,
                 *args, **kwargs):
         report = kv_transfer_params.get(EXTRA_ARGS_KEY) if isinstance(kv_transfer_params, dict) else None
-        if report is not None:  # on the output of the step that finished compaction, and on the last one
-            if getattr(self, EVICTION_ATTR, None) is None:
-                from vllm_evict.server import metrics
+        if report is not None:  # on the output of each step that finished a compaction, and on the last one
+            from vllm_evict.server import metrics
 
+            previous = getattr(self, EVICTION_ATTR, None)
+            if previous is None:
                 metrics.observe_eviction(report)  # once per request, even if it is aborted later
+            else:
+                metrics.observe_decode(previous, report)  # what decode-time compactions added since
             setattr(self, EVICTION_ATTR, report)
             kv_transfer_params = {k: v for k, v in kv_transfer_params.items() if k != EXTRA_ARGS_KEY} or None
         report = getattr(self, EVICTION_ATTR, None)

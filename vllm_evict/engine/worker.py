@@ -26,7 +26,7 @@ from vllm.forward_context import BatchDescriptor, get_forward_context, is_forwar
 from vllm.logger import init_logger
 
 from vllm_evict.engine.compaction import KVHeadGroup, LayerCompaction, compact_request
-from vllm_evict.engine.request_config import PLAN_KEY, RequestEviction, eviction_points, parse_request
+from vllm_evict.engine.request_config import PLAN_KEY, CompactionSchedule, RequestEviction, parse_request
 
 logger = init_logger(__name__)
 
@@ -35,45 +35,82 @@ logger = init_logger(__name__)
 class WorkerEviction:
     req_id: str
     spec: RequestEviction
-    evict_at: int                       # E
-    pages: int                          # P
-    window: int                         # w
+    schedule: CompactionSchedule         # the request's compaction points (the scheduler walks the same)
     page_size: int
-    chunk: int = 0                      # block-wise chunk in tokens (0: one-shot eviction at E)
-    blocks: int = 0                     # F: fresh blocks held once compacted (0: P; scheduler.plan_eviction)
+    blocks: int = 0                     # F: fresh blocks a one-shot compaction writes (scheduler.plan_eviction)
     q_window: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [w, Hq, D]
     layers: dict[int, LayerCompaction] = field(default_factory=dict)  # filled during the compaction step
     stacked: tuple | None = None        # per_head.stacked_counts: all layers' page counts, built once
     done: int = 0                       # compactions finished (counted from the step after each)
     shift: int = 0                      # semantic minus physical positions once compacted
-    prompt_blocks: int = 0              # cdiv(E, page_size): prompt blocks before the P fresh ones
     prompt_block_ids: list[int] = field(default_factory=list)  # the blocks read by the compaction step
-    fresh_blocks: list[int] = field(default_factory=list)  # the F blocks it writes (set for that step)
+    fresh_blocks: list[int] = field(default_factory=list)  # the blocks it writes (set for that step)
+    positions: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [H, kept] original positions (random)
+    positions_at: int = 0               # tokens written when `positions` was recorded (then all later ones held)
     serial: int = field(default_factory=itertools.count().__next__)  # unique per eviction (cache keys)
     failed: bool = False                # its compaction raised: it runs as stock until the scheduler ends it
     used_blocks: "HostCopy | None" = None  # Ada-KV under TP: the F' <= F fresh blocks its layout spans
 
     def __post_init__(self) -> None:
-        self.points = eviction_points(self.evict_at, self.pages, self.page_size, self.chunk)
-        self.blocks = self.blocks or self.pages
+        self.blocks = self.blocks or (self.pages or 0)
+
+    @classmethod
+    def for_prompt(cls, req_id: str, spec: RequestEviction, num_prompt_tokens: int, page_size: int,
+                   **fields) -> "WorkerEviction":
+        return cls(req_id=req_id, spec=spec, schedule=CompactionSchedule(spec, num_prompt_tokens, page_size),
+                   page_size=page_size, **fields)
+
+    @property
+    def window(self) -> int:
+        return self.spec.config.window_size()
+
+    @property
+    def pages(self) -> int | None:
+        return self.schedule.pages
+
+    @property
+    def evict_at(self) -> int:
+        return self.schedule.evict_at
+
+    @property
+    def chunk(self) -> int:
+        return self.schedule.chunk
+
+    @property
+    def prompt_blocks(self) -> int:
+        """cdiv(E, page_size): prompt blocks before the F fresh ones of a one-shot compaction."""
+        return -(-self.evict_at // self.page_size)
 
     @property
     def compacted(self) -> bool:
         return self.done > 0
 
-    def advance(self) -> None:
-        """The compaction at the next eviction point has run: positions shift by that point - F pages."""
-        self.shift = self.next_point - self.blocks * self.page_size
-        self.done += 1
+    @property
+    def point(self):
+        """The next compaction point (request_config.Point), None past the last."""
+        return self.schedule.point(self.done)
 
     @property
     def next_point(self) -> int | None:
-        return self.points[self.done] if self.done < len(self.points) else None
+        point = self.point
+        return None if point is None else point.at
 
     @property
     def held(self) -> int:
-        """Tokens the request holds in its blocks at its next eviction point."""
-        return self.next_point - self.shift
+        """Tokens the request holds per head at its next compaction point."""
+        return self.point.held
+
+    def advance(self) -> None:
+        """The compaction at the next point has run: positions shift by that point minus what it holds, and
+        the window rows the next point shares with this one move to their new rows."""
+        point = self.point
+        self.shift = point.at - (point.kept if point.in_place else self.blocks * self.page_size)
+        self.done += 1
+        following = self.point
+        step = self.window if following is None else following.at - point.at
+        if step < self.window:
+            for rows in self.q_window.values():  # row i holds the query of position (point - w + i)
+                rows[: self.window - step] = rows[step:].clone()
 
     @property
     def stock_layout(self) -> bool:
@@ -179,12 +216,12 @@ class WorkerEvictionState:
         extra_args = (req.sampling_params.extra_args if req and req.sampling_params else None) or {}
         if PLAN_KEY not in extra_args:  # the scheduler found nothing to evict
             return None
-        evict_at, pages, chunk, blocks = extra_args[PLAN_KEY]
+        evict_at, pages, chunk, blocks, num_prompt_tokens = extra_args[PLAN_KEY]
         spec = parse_request(extra_args)  # the scheduler read it, so it is readable
         page_size = runner.cache_config.block_size
-        return WorkerEviction(req_id=req_id, spec=spec, evict_at=evict_at, pages=pages,
-                              window=spec.config.window_size(), page_size=page_size, chunk=chunk, blocks=blocks,
-                              prompt_blocks=-(-evict_at // page_size))
+        state = WorkerEviction.for_prompt(req_id, spec, num_prompt_tokens, page_size, blocks=blocks)
+        assert (state.schedule.evict_at, state.pages or 0, state.chunk) == (evict_at, pages, chunk), "plan mismatch"
+        return state
 
     def _forget(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
@@ -202,9 +239,10 @@ class WorkerEvictionState:
             req = runner.requests.get(req_id)
             if req is None:
                 continue
-            # the blocks the scheduler kept: the first F (compacted in place) or all after the prompt's
-            blocks = req.block_ids[0]
-            blocks = blocks[: state.blocks] if state.chunk else blocks[state.prompt_blocks:]
+            # the blocks the scheduler kept: the first ones the kept tokens fill (compacted in place) or all
+            # after the prompt's
+            blocks, point = req.block_ids[0], state.point
+            blocks = blocks[: -(-point.kept // state.page_size)] if point.in_place else blocks[state.prompt_blocks:]
             if state.used_blocks is not None:  # Ada-KV under TP: drop the fresh blocks its layout left empty
                 used = state.used_blocks.read()
                 blocks = blocks[:used] + blocks[state.blocks:]
@@ -215,7 +253,6 @@ class WorkerEvictionState:
             if row is not None:
                 runner.input_batch.block_table.add_row(req.block_ids, row)
             state.advance()
-            state.q_window.clear()
         self.pending_strip.clear()
 
     def build_plan(self, runner, scheduler_output) -> None:
@@ -265,15 +302,18 @@ class WorkerEvictionState:
             if hi > lo:
                 captures.append(Capture(state, token_start + lo - computed, hi - lo, lo - (point - state.window)))
             if computed + count == point:
+                self.pending_strip[state.req_id] = state
+                current = state.point
+                if not current.evicts:  # a point that evicts nothing: it only advances
+                    continue
                 compacting.append(row)
                 blocks = runner.requests[state.req_id].block_ids[0]
-                if state.chunk:  # in place: from the blocks it holds into the first F of them
-                    state.prompt_block_ids = list(blocks[: -(-state.held // state.page_size)])
-                    state.fresh_blocks = list(blocks[: state.blocks])
+                if current.in_place:  # from the blocks it holds into the first ones its kept tokens fill
+                    state.prompt_block_ids = list(blocks[: -(-current.held // state.page_size)])
+                    state.fresh_blocks = list(blocks[: -(-current.kept // state.page_size)])
                 else:
                     state.prompt_block_ids = list(blocks[: state.prompt_blocks])
                     state.fresh_blocks = list(blocks[state.prompt_blocks: state.prompt_blocks + state.blocks])
-                self.pending_strip[state.req_id] = state
             elif computed + count > point:
                 self._passed_point(state)
                 if not state.compacted:
@@ -424,9 +464,8 @@ def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: in
             config = EvictionConfig.from_dict({"policy": policy, "budget": 4 * page, "allocation": allocation})
             spec, window = RequestEviction(config), config.window_size()
             pages = config.num_pages(n, page)
-            state = WorkerEviction(req_id="warm-up", spec=spec, evict_at=n, pages=pages, window=window,
-                                   page_size=page, prompt_block_ids=list(range(16)),
-                                   fresh_blocks=list(range(16, 16 + pages)))
+            state = WorkerEviction.for_prompt("warm-up", spec, n, page, prompt_block_ids=list(range(16)),
+                                              fresh_blocks=list(range(16, 16 + pages)))
             if window:
                 state.q_window = {i: torch.randn(window, num_q_heads, head_dim, generator=gen, device=device)
                                   .to(dtype) for i, _ in layers}

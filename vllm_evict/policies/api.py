@@ -14,7 +14,7 @@ from .registry import get_policy
 from .selection import keep_mask
 from .window import exact_fp32
 
-SCORE_OPTIONS = ("window", "pool_kernel", "sink", "gqa", "caote_base", "scale")
+SCORE_OPTIONS = ("window", "pool_kernel", "sink", "gqa", "caote_base", "scale", "context")
 
 
 def effective_policy(policy: str, caote_base: str = "snapkv") -> Policy:
@@ -26,7 +26,7 @@ def effective_policy(policy: str, caote_base: str = "snapkv") -> Policy:
 
 
 def score_tokens(policy: str, q_window: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor, **options: object) -> torch.Tensor:
-    """Retention scores [H_kv, n] float32 (larger = keep; protected positions = +inf).
+    """Retention scores [H_kv, n] float32, float64 for `random` (larger = keep; protected positions = +inf).
 
     q_window: [w, H_q, D] post-RoPE queries of the last w prompt positions (may be None or have any number of
     rows for key-only policies keydiff/knorm/streaming, which ignore it). keys: [n, H_kv, D]; values:
@@ -40,6 +40,8 @@ def score_tokens(policy: str, q_window: torch.Tensor | None, keys: torch.Tensor,
       gqa          "mean" | "max" (query-based policies).
       caote_base   base policy of caote/fastcaote (default "snapkv").
       scale        softmax scale (default 1/sqrt(D)).
+      context      random.TokenContext: the tokens' original positions, heads, layers, compaction
+                   index and seed (`random` reads it; default: positions 0..n-1, heads 0..H-1, all zero).
     """
     unknown = sorted(set(options) - set(SCORE_OPTIONS))
     if unknown:
@@ -85,8 +87,10 @@ def score_tokens(policy: str, q_window: torch.Tensor | None, keys: torch.Tensor,
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
 
     with exact_fp32(keys.device):
-        out = pol.score(q, keys, values, window=w, pool_kernel=pool_kernel, sink=sink, gqa=gqa, scale=float(scale), caote_base=caote_base)
-    return out.to(torch.float32).contiguous()
+        out = pol.score(q, keys, values, window=w, pool_kernel=pool_kernel, sink=sink, gqa=gqa, scale=float(scale),
+                        caote_base=caote_base, context=options.get("context"))
+    # random's 32-bit hash scores need float64 to stay distinct (SPEC §4.8 e)
+    return (out if out.dtype == torch.float64 else out.to(torch.float32)).contiguous()
 
 
 def select_tokens(

@@ -29,6 +29,7 @@ class Policy:
     default_pool_kernel: int = 1
     default_sink: int = 0
     supports_adakv: bool = True
+    needs_context: bool = False  # reads score_tokens' `context` (where the tokens sit)
 
     def base_scores(self, q_window, keys, values, *, pool_kernel: int, gqa: str, scale: float, **_: object) -> torch.Tensor:
         """Pooled score before protection, [H_kv, n] float32."""

@@ -31,7 +31,7 @@ class EvictionConfig:
     """
 
     policy: str
-    budget: int | float
+    budget: int | float | None  # None: no prompt eviction (a request with only a decode budget, SPEC §4.8 c)
     allocation: str = "uniform"
     window: int | None = None
     pool_kernel: int | None = None
@@ -40,10 +40,12 @@ class EvictionConfig:
     alpha: float = 0.2
     caote_base: str = "snapkv"
     chunked: bool = False
+    seed: int | None = None  # random policy (SPEC §4.8 e); None: 0
 
     def __post_init__(self) -> None:
         get_policy(self.policy)
-        object.__setattr__(self, "budget", check_budget(self.budget))
+        if self.budget is not None:
+            object.__setattr__(self, "budget", check_budget(self.budget))
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
         check_base(self.caote_base)
@@ -62,21 +64,22 @@ class EvictionConfig:
         object.__setattr__(self, "alpha", float(self.alpha))
         if not isinstance(self.chunked, bool):
             raise ValueError(f"chunked must be a bool, got {self.chunked!r}")
-        if self.chunked and (self.policy != "keydiff" or self.allocation != "uniform"):
-            raise ValueError(
-                f"chunked=True is only supported for policy 'keydiff' with allocation 'uniform', "
-                f"got policy={self.policy!r}, allocation={self.allocation!r}"
-            )
+        if self.seed is not None:
+            object.__setattr__(self, "seed", check_int("seed", self.seed))
         if not POLICIES[self.policy].supports_adakv:
             object.__setattr__(self, "allocation", "uniform")
+        if self.chunked and self.allocation != "uniform":
+            raise ValueError(f"chunked=true runs with allocation 'uniform' only in this version (Ada-KV "
+                             f"block-wise eviction is not implemented), got allocation={self.allocation!r}")
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "EvictionConfig | None":
+    def from_dict(cls, d: Mapping[str, Any], budget_required: bool = True) -> "EvictionConfig | None":
         """Validate a request dict (SPEC §6). Returns None for policy "none" (no eviction).
 
-        Raises ValueError naming the offending field and value: unknown policy or key, missing policy/budget,
-        bad budget/allocation/window/pool_kernel/sink/gqa/alpha/caote_base/chunked.
+        Raises ValueError naming the offending field and value: unknown policy or key, missing policy/budget
+        (a request with a decode budget may omit it: budget_required=False), bad
+        budget/allocation/window/pool_kernel/sink/gqa/alpha/caote_base/chunked/seed.
         """
         if not isinstance(d, Mapping):
             raise ValueError(f"eviction parameters must be a dict, got {d!r}")
@@ -88,9 +91,9 @@ class EvictionConfig:
             raise ValueError(f"eviction parameters need a 'policy', got {dict(d)!r}")
         if d["policy"] is None or d["policy"] == "none":
             return None
-        if "budget" not in d:
+        if "budget" not in d and budget_required:
             raise ValueError(f"eviction parameters need a 'budget', got {dict(d)!r}")
-        return cls(**dict(d))
+        return cls(**{"budget": None, **d})
 
     @classmethod
     def flat_fields(cls, extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -107,10 +110,10 @@ class EvictionConfig:
         for key, value in flat.items():
             if key in ("budget", "alpha"):
                 d[key] = _parse_number(key, value)
-            elif key in ("window", "pool_kernel", "sink"):
+            elif key in ("window", "pool_kernel", "sink", "seed"):
                 d[key] = parse_int_field(key, value)
             elif key == "chunked":
-                d[key] = _parse_bool(key, value)
+                d[key] = parse_bool_field(key, value)
             else:
                 d[key] = value
         return d
@@ -160,7 +163,9 @@ class EvictionConfig:
         return _protected_count(n, sink=self.sink_size(), window=self.window_size())
 
     def num_pages(self, n: int, page_size: int = 16) -> int | None:
-        """P of SPEC §3.2 (pages per KV head), or None when nothing is evicted (n <= P*bs)."""
+        """P of SPEC §3.2 (pages per KV head), or None when nothing is evicted (n <= P*bs, or no budget)."""
+        if self.budget is None:
+            return None
         return num_pages(n, self.budget, page_size, self.protected_count(n))
 
     def score_options(self) -> dict[str, Any]:
@@ -203,7 +208,7 @@ def parse_int_field(key: str, value: Any) -> Any:
     return value
 
 
-def _parse_bool(key: str, value: Any) -> bool:
+def parse_bool_field(key: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
     if is_int(value) and int(value) in (0, 1):

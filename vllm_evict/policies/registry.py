@@ -9,6 +9,7 @@ from .h2o import H2O
 from .keydiff import KeyDiff
 from .knorm import KNorm
 from .obcache import OBCacheJoint, OBCacheKey, OBCacheValue
+from .random import Random
 from .snapkv import SnapKV
 from .streaming import Streaming
 from .tova import TOVA
@@ -17,7 +18,7 @@ POLICIES: dict[str, Policy] = {
     p.name: p
     for p in (
         SnapKV(), DropKV(), KeyDiff(), OBCacheValue(), OBCacheKey(), OBCacheJoint(),
-        CAOTE(), FastCAOTE(), Streaming(), TOVA(), H2O(), KNorm(),
+        CAOTE(), FastCAOTE(), Streaming(), TOVA(), H2O(), KNorm(), Random(),
     )
 }
 

@@ -20,6 +20,7 @@ class ReferenceResult:
     logprobs: list[float]          # log-softmax of the chosen token at each step
     top5: list[list[int]]          # the 5 most likely tokens at each step
     kept_per_layer: list[list[int]]  # kept tokens per KV head, per layer
+    near_ties: int = 0             # replay: kept boundaries within SPEC §7.3's tolerance of the next score
 
 
 class ReferenceDecoder:
@@ -94,7 +95,6 @@ class ReferenceDecoder:
         `config` at the end of its prefill. `prefill` = self.prefill(prompt_ids[:E]) may be passed to reuse it.
         `keep_override` (per layer [H, E] bool) replaces the reference's own selection (GPU checks feed the
         engine's kept sets to isolate compaction + attention from bf16 scoring near-ties)."""
-        model = self.model.model
         n = len(prompt_ids)
         E = n if evict_at is None else min(evict_at, n)
         per_layer, last_hidden = prefill if prefill is not None else self.prefill(prompt_ids[:E])
@@ -116,39 +116,117 @@ class ReferenceDecoder:
         return self._decode(kv, last_hidden, list(prompt_ids[E:]), E, max_tokens, kept_per_layer)
 
     @torch.no_grad()
-    def generate_chunked(self, prompt_ids: list[int], max_tokens: int, config: EvictionConfig, chunk: int,
-                         page_size: int = 16) -> ReferenceResult:
-        """Greedy tokens under block-wise eviction during prefill (SPEC §4.3): the prompt is prefilled in
-        chunks of `chunk` tokens; each chunk attends to the tokens its layer holds plus itself (causally),
-        and after it every head holding more than P pages (P from the whole prompt) is cut back to its
-        P*page_size best tokens by `config`'s scores recomputed on what it holds now."""
-        model = self.model.model
+    def replay(self, prompt_ids: list[int], max_tokens: int, spec, page_size: int = 16) -> ReferenceResult:
+        """Greedy tokens of a request that compacts at SPEC §4.8's points (`spec`: request_config.RequestEviction,
+        uniform allocation): its prompt eviction (one-shot at E, or block-wise in chunks of C tokens: each
+        chunk attends to what its layer holds plus itself, and every chunk end past P pages compacts), then
+        a decode point after the forward that writes each C_d-th generated token's K/V. At a point each head
+        scores what it holds (under protect_prompt only its generated tokens) with the window queries of
+        the last w of them, kept from when they were processed, and keeps its best P (P_d) pages.
+        kept_per_layer: what each head holds at the end."""
+        model, config = self.model.model, spec.config
+        self._near_ties = 0
         n = len(prompt_ids)
-        pages = config.num_pages(n, page_size)
-        limit = None if pages is None else pages * page_size
+        E = spec.eviction_point(n)
+        pages = config.num_pages(E, page_size)
+        chunk = spec.chunk_tokens(page_size) if pages else 0
+        decode_every = spec.decode_tokens(page_size)
+        H = self.num_kv_heads
         empty = torch.empty(0, self.head_dim, device=self.device)
-        kv = [([empty] * self.num_kv_heads, [empty] * self.num_kv_heads) for _ in model.layers]
-        for start in range(0, n, chunk):
-            ids = prompt_ids[start: start + chunk]
+        # per layer: per head keys, values and original positions; the query of every position seen
+        kv = [([empty] * H, [empty] * H) for _ in model.layers]
+        positions = [[torch.empty(0, dtype=torch.int64)] * H for _ in model.layers]
+        queries = [{} for _ in model.layers]
+        points = 0
+
+        def forward(ids: list[int], start: int, point: str | None):
+            """One forward of tokens ids at positions start.. (causal over what each layer holds), then
+            the compaction `point` ("prompt" / "decode") of every layer; the last hidden state."""
+            nonlocal points
             hidden = model.embed_tokens(torch.tensor(ids, device=self.device))
-            positions = torch.arange(start, start + len(ids), device=self.device)
-            for layer, (keys, values) in zip(model.layers, kv):
-                q, k, v = self._layer_qkv(layer, hidden, positions)
-                held = keys[0].shape[0]
-                keys[:] = [torch.cat([keys[h], k[:, h]]) for h in range(self.num_kv_heads)]
-                values[:] = [torch.cat([values[h], v[:, h]]) for h in range(self.num_kv_heads)]
-                hidden = self._finish_layer(layer, hidden, self._attend(q, keys, values, causal_offset=held))
-                if limit is not None and held + len(ids) > limit:
-                    k_held, v_held = torch.stack(keys, dim=1), torch.stack(values, dim=1)  # [held, H, D]
-                    w = config.window_size()
-                    scores = score_tokens(config.policy, q[max(len(ids) - w, 0):] if w else q[:0], k_held, v_held,
-                                          scale=self.scale, **config.score_options())
-                    keep = select_tokens(scores, limit, page_size=page_size, **config.select_options())
-                    keys[:] = [k_held[keep[h], h] for h in range(self.num_kv_heads)]
-                    values[:] = [v_held[keep[h], h] for h in range(self.num_kv_heads)]
-            last_hidden = hidden[-1:]
+            pos = torch.arange(start, start + len(ids), device=self.device)
+            for index, (layer, (keys, values)) in enumerate(zip(model.layers, kv)):
+                q, k, v = self._layer_qkv(layer, hidden, pos)
+                held = [kh.shape[0] for kh in keys]
+                for t, p in enumerate(pos.tolist()):
+                    queries[index][p] = q[t]
+                keys[:] = [torch.cat([keys[h], k[:, h]]) for h in range(H)]
+                values[:] = [torch.cat([values[h], v[:, h]]) for h in range(H)]
+                positions[index][:] = [torch.cat([positions[index][h], pos.cpu()]) for h in range(H)]
+                offset = held[0] if len(set(held)) == 1 else None  # uneven heads (Ada-KV): one token at a time
+                assert offset is not None or len(ids) == 1
+                hidden = self._finish_layer(layer, hidden, self._attend(q, keys, values, causal_offset=offset))
+                if point is not None:
+                    self._compact(index, keys, values, positions[index], queries[index], spec, point, points,
+                                  pages, n, page_size)
+            if point is not None:
+                points += 1
+            return hidden[-1:]
+
+        if pages is None:  # no prompt eviction: prefill, then the decode points
+            last_hidden, done = forward(prompt_ids, 0, None), n
+        elif chunk:
+            for start in range(0, n, chunk):
+                end = min(start + chunk, n)
+                over = end > pages * page_size  # every chunk end past P pages (SPEC §4.3)
+                last_hidden = forward(prompt_ids[start:end], start, "prompt" if over else None)
+            done = n
+        else:
+            last_hidden, done = forward(prompt_ids[:E], 0, "prompt"), E
+        tokens, logprobs, top5 = [], [], []
+        pending = list(prompt_ids[done:])
+        while len(tokens) < max_tokens:
+            if not pending:
+                logits = self.model.lm_head(model.norm(last_hidden))[0].float()
+                logp = logits.log_softmax(-1)
+                tok = int(torch.argmax(logits))
+                tokens.append(tok)
+                logprobs.append(float(logp[tok]))
+                top5.append(logp.topk(5).indices.tolist())
+                pending = [tok]
+                if len(tokens) == max_tokens:
+                    break
+            written = done + 1 - n  # generated tokens whose K/V this forward writes
+            point = "decode" if decode_every and written > 0 and written % decode_every == 0 else None
+            last_hidden = forward([pending.pop(0)], done, point)
+            done += 1
         kept_per_layer = [[kh.shape[0] for kh in keys] for keys, _ in kv]
-        return self._decode(kv, last_hidden, [], n, max_tokens, kept_per_layer)
+        return ReferenceResult(tokens, logprobs, top5, kept_per_layer, self._near_ties)
+
+    def _compact(self, layer: int, keys: list, values: list, positions: list, queries: dict, spec, point: str,
+                 index: int, pages: int | None, n: int, page_size: int) -> None:
+        """Compaction point `index` of one layer (SPEC §4.8 a): each head keeps its best pages of its candidates."""
+        config = spec.config
+        H = self.num_kv_heads
+        held = torch.stack(positions)                                       # [H, held] original positions
+        fixed = 0
+        if point == "decode" and spec.protect_prompt:
+            prompt_held = (held < n).sum(dim=1)
+            assert (prompt_held == prompt_held[0]).all()  # uniform: every head holds as many prompt tokens
+            fixed = int(prompt_held[0])
+        k_all, v_all = torch.stack(keys, dim=1), torch.stack(values, dim=1)  # [held, H, D]
+        cand = held[:, fixed:]
+        m = cand.shape[1]
+        w = min(config.window_size(), m)
+        window_positions = cand[0, m - w:].tolist()
+        q_window = torch.stack([queries[p] for p in window_positions]) if w else None
+        sink = int((cand[0] < config.sink_size()).sum())
+        from vllm_evict.policies.random import TokenContext
+
+        context = TokenContext(positions=cand, heads=torch.arange(H), layers=torch.full((H,), layer),
+                               compaction=index, seed=config.seed or 0)
+        scores = score_tokens(config.policy, q_window, k_all[fixed:], v_all[fixed:], scale=self.scale,
+                              **{**config.score_options(), "window": w, "sink": sink}, context=context)
+        if point == "decode":
+            budget = spec.decode_budget
+        else:
+            budget = pages * page_size if spec.chunk_tokens(page_size) else config.budget
+        keep = select_tokens(scores, budget, page_size=page_size, **config.select_options())
+        self._near_ties += near_ties(scores, keep, exact=config.pool_kernel_size() == 1)
+        keep = torch.cat([torch.ones(H, fixed, dtype=torch.bool), keep.cpu()], dim=1)
+        keys[:] = [k_all[keep[h].to(k_all.device), h] for h in range(H)]
+        values[:] = [v_all[keep[h].to(v_all.device), h] for h in range(H)]
+        positions[:] = [held[h][keep[h]] for h in range(H)]
 
     def _decode(self, kv, last_hidden, pending: list[int], pos: int, max_tokens: int,
                 kept_per_layer: list[list[int]]) -> ReferenceResult:
@@ -178,3 +256,19 @@ class ReferenceDecoder:
             last_hidden = hidden
             pos += 1
         return ReferenceResult(tokens, logprobs, top5, kept_per_layer)
+
+
+def near_ties(scores: torch.Tensor, keep: torch.Tensor, exact: bool) -> int:
+    """Heads whose last kept score is within SPEC §7.3's tolerance (1e-3 relative) of the best evicted one,
+    where rounding may decide: a different float path (vLLM's RoPE and kernels) may keep either. Exact
+    ties count only with `exact` (no pooling: distinct tokens with equal scores, e.g. K-norm on a repeated
+    token, whose norm RoPE does not change); pooled ties copy one value, which both paths share."""
+    count = 0
+    for row, kept in zip(scores.double(), keep):
+        if kept.all() or not kept.any():
+            continue
+        last, best = row[kept].min(), row[~kept].max()
+        gap = float(last - best)
+        if (exact or gap > 0) and gap <= 1e-3 * abs(float(last)) + 1e-30:
+            count += 1
+    return count
