@@ -17,6 +17,8 @@ Suites (`--suite`):
   prefill   prefill-only passes and TTFT at batch 1 per policy, with the reported eviction latency.
   e2e       the end-to-end shapes (--shapes LEN:OUT:N); vanilla also measures eviction's physical limit
             (prefill-only time + decode time at the evicted KV length) on the same engine.
+  decode    decode-heavy load (issue 34): the load suite once per eviction object of --decode-configs
+            (decode-time eviction; vanilla runs it once without eviction).
   memory    prefill time and peak KV blocks of one request per length (--memory-lengths), with no eviction,
             one-shot and block-wise KeyDiff (--memory-budget, --chunk-size), and which lengths the KV pool
             serves at all (issue 17; the evict engine with --allow-long-prompts may exceed the pool).
@@ -148,9 +150,11 @@ class Driver:
 
 
 def eviction_of(args, budget: float | None = None, allocation: str | None = None) -> dict | None:
+    """The eviction object of a run; --budget 0: no prompt eviction (a decode budget alone)."""
     if args.engine != "evict" or args.policy == "none":
         return None
-    return {"policy": args.policy, "budget": budget if budget is not None else args.budget,
+    budget = budget if budget is not None else args.budget
+    return {"policy": args.policy, **({"budget": budget} if budget > 0 else {}),
             "allocation": allocation or args.allocation, **args.eviction_options}
 
 
@@ -292,6 +296,14 @@ def suite_load(args, drv: Driver, deadline: float) -> dict:
     return run_load(args, drv, deadline, args.num_requests, args.max_tokens, eviction_of(args), False)
 
 
+def suite_decode(args, drv: Driver, deadline: float) -> dict:
+    """Decode-heavy load (issue 34): --num-requests of --prompt-len in / --max-tokens out, all at t=0, once
+    per eviction object of --decode-configs on one engine (vanilla: once, without eviction)."""
+    configs = [None] if args.engine == "vanilla" else args.decode_configs
+    return {"runs": [run_load(args, drv, deadline, args.num_requests, args.max_tokens, config, False)
+                     for config in configs if time.time() < deadline]}
+
+
 def suite_capacity(args, drv: Driver, deadline: float) -> dict:
     runs = []
     for budget, allocation in args.capacity_configs:
@@ -415,7 +427,7 @@ def suite_memory(args, drv: Driver, deadline: float) -> dict:
 
 
 SUITES = {"latency": suite_latency, "load": suite_load, "capacity": suite_capacity, "e2e": suite_e2e,
-          "prefill": suite_prefill, "memory": suite_memory}
+          "prefill": suite_prefill, "memory": suite_memory, "decode": suite_decode}
 
 
 def run_one(args) -> dict:
@@ -447,6 +459,8 @@ PREFILL14_ARGS = ["--prefill-shapes", "8192:64", "16384:64", "32768:32", "--ttft
                   "--repeats", "3", "--max-model-len", "33280"]
 E2E_SHAPES = ["--shapes", "32768:256:8", "16384:512:16", "8192:2048:32", "--max-model-len", "33280"]
 TP16_E2E = ["--tensor-parallel-size", "2", "--shapes", "32768:256:48", "16384:512:96", "--max-model-len", "33280"]
+DECODE34_ARGS = ["--prompt-len", "1024", "--max-tokens", "2048", "--num-requests", "64",
+                 "--kv-cache-memory-bytes", str(8 << 30), "--max-model-len", "4096"]
 PLANS = {
     # issue 13: decode-step table (batches 1..256 at 1024 KV tokens per head) and the three end-to-end shapes
     "decode13": [("vanilla", "latency", ["--ttft-cases", "--decode-batches", "1", "8", "64", "256",
@@ -542,6 +556,13 @@ PLANS = {
                                    "--shared-prefix"], 200),
                 ("evict", "capacity", ["--prompt-len", "32768", "--max-tokens", "4096", "--shared-prefix",
                                        "--capacity-configs", "0.2:uniform", "0.1:adakv", "0.2:adakv"], 240)],
+    # issue 34, scaled to one short device call: 64 x 1K in / 2K out on a 64K-token pool (8 GiB of
+    # Llama-3.1-8B KV), so the pool, not the batch limit, bounds vanilla; decode budgets of 1/4 and 1/2 of
+    # the output (the issue's 1024 and 2048 of 4K), DropKV and SnapKV, uniform, every 128 tokens
+    "decode34": [("vanilla", "decode", DECODE34_ARGS, 200),
+                 ("evict", "decode", DECODE34_ARGS + ["--decode-configs", *[
+                     json.dumps({"policy": policy, "decode_budget": budget})
+                     for budget in (512, 1024) for policy in ("dropkv", "snapkv")]], 330)],
 }
 
 
@@ -608,6 +629,8 @@ def main() -> int:
     o.add_argument("--allocation", default="uniform")
     o.add_argument("--eviction-options", type=json.loads, default={},
                    help='more fields of the eviction object, as JSON: \'{"chunked": true, "chunk_size": 512}\'')
+    o.add_argument("--decode-configs", nargs="+", type=json.loads, default=[],
+                   help="suite decode: eviction objects as JSON, one run each")
     o.add_argument("--prompt-len", type=int, default=32768)
     o.add_argument("--max-tokens", type=int, default=512)
     o.add_argument("--num-requests", type=int, default=64)

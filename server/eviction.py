@@ -167,7 +167,8 @@ def usage_block(cfg: Any, reports: list[dict[str, Any]], num_sequences: int = 1)
     agg["evicted"] = True
     agg["evicted_sequences"] = len(summaries)
     agg["num_sequences"] = num_sequences
-    for key in ("prompt_tokens", "kept_tokens", "blocks_before", "blocks_after", "blocks_freed", "latency_ms"):
+    for key in ("prompt_tokens", "kept_tokens", "blocks_before", "blocks_after", "blocks_freed", "latency_ms",
+                "decode_compactions", "decode_evicted_tokens", "decode_blocks_freed", "blocks_held"):
         vals = [s[key] for s in summaries if isinstance(s.get(key), (int, float)) and not isinstance(s[key], bool)]
         if vals:
             total = sum(vals)

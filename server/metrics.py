@@ -77,6 +77,8 @@ METRIC_NAMES = (
     "vllm_evict:eviction_blocks_freed",        # counter -> ..._total{policy}
     "vllm_evict:eviction_compression_ratio",   # histogram{policy}: kept / prompt tokens
     "vllm_evict:eviction_latency_seconds",     # histogram{policy}: scoring + compaction
+    "vllm_evict:decode_compactions",           # counter -> ..._total{policy}
+    "vllm_evict:decode_evicted_tokens",        # counter -> ..._total{policy}
 )
 
 MULTI_API_SERVER_ERROR = (
@@ -333,7 +335,8 @@ class EvictMetrics:
         """The decode-time compactions a request's newer report adds to its `previous` one (None: all)."""
         policy = str(policy or report.get("policy") or "unknown")
         for key, metric in (("decode_compactions", self.decode_compactions),
-                            ("decode_evicted_tokens", self.decode_evicted_tokens)):
+                            ("decode_evicted_tokens", self.decode_evicted_tokens),
+                            ("decode_blocks_freed", self.blocks_freed)):
             added = (_num(report.get(key)) or 0) - (_num((previous or {}).get(key)) or 0)
             if added > 0:
                 metric.labels(policy=policy).inc(added)

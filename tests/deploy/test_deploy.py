@@ -765,6 +765,12 @@ def test_live_server_exports_every_dashboard_series(live_server, tmp_path):
             assert r.status_code == 200, f"{r.text}\n{_tail(log, 30)}"
             ev = r.json()["usage"]["eviction"]
             assert ev["evicted"] is True and ev["blocks_freed"] > 0, ev
+            r = http.post("/v1/completions", json={  # decode-time eviction: feeds vllm_evict:decode_*
+                "model": "tiny-llama", "prompt": LONG_PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                "eviction": {"policy": "dropkv", "decode_budget": 32, "decode_every": 16}})
+            assert r.status_code == 200, f"{r.text}\n{_tail(log, 30)}"
+            ev = r.json()["usage"]["eviction"]
+            assert ev["decode_compactions"] >= 2 and ev["decode_evicted_tokens"] > 0, ev
             bad = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": "x", "max_tokens": 2,
                                                      "eviction": {"policy": "no-such-policy"}})
             assert bad.status_code == 400, bad.text  # feeds http_requests_total{status="4xx"}

@@ -36,8 +36,10 @@ def engine(tiny_llama):
 
 
 def spec_of(case: dict):
+    """The RequestEviction of a chunked case."""
+    from vllm_evict.engine.request_config import parse_request
 
-    return spec_of(case)
+    return parse_request({"vllm_evict": chunked(case)})
 
 
 def plan_of(case: dict, prompt_len: int) -> tuple[int, int, list[int]]:
@@ -66,7 +68,7 @@ def test_chunked_keydiff_matches_the_chunked_reference_in_a_mixed_batch(engine, 
         pages, chunk, points = plan_of(case, len(prompt))
         expected = reference.replay(prompt, MAX_TOKENS, spec_of(case), page_size=PAGE)
         check_against_reference(out, expected, f"chunked {case}")
-        assert expected.kept_per_layer[0] == [pages * PAGE] * len(expected.kept_per_layer[0])
+        assert expected.kept_per_layer[0] == [pages * PAGE + MAX_TOKENS - 1] * len(expected.kept_per_layer[0])  # + decode
         report = out.kv_transfer_params["vllm_evict"]
         assert report["compactions"] == len(points) and len(points) > 1, (case, report)
         assert report["chunk_size"] == chunk and report["pages_per_head"] == pages

@@ -3,7 +3,8 @@
 One mixed batch: plain requests, uniformly compacted requests (stock attention with shifted lengths
 and slots, replayed inside vLLM's FULL decode graphs) and Ada-KV-compacted ones (per-head attention,
 replayed inside per-head FULL decode graphs), plus a block-wise KeyDiff request (chunked=true) that
-compacts in place every 64 prompt tokens (the CUDA gather / write kernels on overlapping blocks). The
+compacts in place every 64 prompt tokens (the CUDA gather / write kernels on overlapping blocks) and two
+decode-budget requests that compact in place every 16 generated tokens. The
 Ada-KV requests stop early, so the decode steps
 first hold per-head rows (per-head graphs), then only stock-layout rows (vLLM's graphs); the test
 records the dispatcher's choices and requires both kinds of FULL step.
@@ -32,12 +33,14 @@ LONG, SHORT = 48, 20
 CASES = [None, {"policy": "dropkv", "budget": 0.25}, {"policy": "streaming", "budget": 0.3},
          {"policy": "snapkv", "budget": 0.25, "allocation": "adakv"}, None,
          {"policy": "keydiff", "budget": 0.2, "allocation": "adakv"}, {"policy": "snapkv", "budget": 0.2},
-         {"policy": "keydiff", "budget": 96, "chunked": True, "chunk_size": 64}]  # block-wise, in place
+         {"policy": "keydiff", "budget": 96, "chunked": True, "chunk_size": 64},  # block-wise, in place
+         {"policy": "dropkv", "decode_budget": 64, "decode_every": 16},  # decode-time eviction (SPEC §4.8)
+         {"policy": "snapkv", "budget": 0.25, "decode_budget": 48, "decode_every": 16, "protect_prompt": True}]
 
 
 def prompts():
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in (300, 700, 650, 720, 500, 610, 900, 800)]
+    return [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in (300, 700, 650, 720, 500, 610, 900, 800, 400, 350)]
 
 
 def generate(model, **engine_overrides):

@@ -208,7 +208,8 @@ def test_blocks_held_and_no_leaks(engine):
                                                                         "pool_kernel": 4},
                                  {"policy": "snapkv", "budget": 0.2, "evict_at": 0},
                                  {"policy": "keydiff", "budget": 0.2, "chunked": True, "evict_at": 50},
-                                 {"policy": "snapkv", "budget": 0.2, "chunked": True}])
+                                 {"policy": "snapkv", "budget": 0.2, "chunked": True, "allocation": "adakv"},
+                                 {"policy": "snapkv", "decode_budget": 8}])  # less than a page
 def test_invalid_eviction_fails_the_request_not_the_engine(engine, bad):
     prompt = random_prompt(9, 100)
     with pytest.raises(ValueError, match="policy|budget|pool_kernel|evict_at|chunked"):

@@ -303,3 +303,32 @@ def test_kernel_support_is_declared_by_the_registry():
     assert all(POLICIES[name].window_raw for name in KERNEL_POLICIES)
     assert all(isinstance(POLICIES[name], KeyPolicy) for name in KEY_KERNEL_POLICIES)
 
+
+
+def test_random_scores_are_the_spec_hash_of_where_each_token_sits():
+    """SPEC §4.8 e: S_j = h(h(h(h(h(j) ^ c) ^ i) ^ l) ^ s) / 2^32, h the 32-bit hash, from the original
+    position j, compaction index c, global KV head i, layer l and seed s mod 2^32 (here in plain Python)."""
+    from vllm_evict.policies.random import TokenContext
+
+    def h(x: int) -> int:
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) % 2**32
+        x ^= x >> 15
+        x = (x * 0x1B873593) % 2**32
+        return x ^ (x >> 16)
+
+    positions = torch.tensor([[0, 5, 17, 4_000_000_000], [3, 9, 200, 70_000]])
+    context = TokenContext(positions=positions, heads=torch.tensor([6, 1]), layers=torch.tensor([30, 30]),
+                           compaction=7, seed=-2)
+    keys = torch.randn(4, 2, 8)
+    scores = score_tokens("random", None, keys, keys, context=context)
+    assert scores.dtype == torch.float64
+    for row, (head, layer) in enumerate([(6, 30), (1, 30)]):
+        for col in range(4):
+            j = int(positions[row, col])
+            want = h(h(h(h(h(j) ^ 7) ^ head) ^ layer) ^ (-2 % 2**32)) / 2**32
+            assert float(scores[row, col]) == want
+    # without a context: positions 0..n-1, heads 0..H-1, layer 0, c = 0, seed 0; pages still whole
+    plain = score_tokens("random", None, keys, keys)
+    assert plain[1, 2] == h(h(h(h(h(2) ^ 0) ^ 1) ^ 0) ^ 0) / 2**32
+    assert select_tokens(plain, 2, page_size=2).sum(dim=1).tolist() == [2, 2]

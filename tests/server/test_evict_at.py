@@ -79,3 +79,34 @@ def test_vllm_xargs_strings_are_typed_like_the_engine_types_them(monkeypatch):
     bad = CompletionRequest(model="m", prompt="p", max_tokens=4, vllm_xargs={"eviction_nope": "1"})
     with pytest.raises(VLLMValidationError, match="eviction_nope"):
         bad.to_sampling_params(4, {})
+
+
+def test_decode_fields_reach_the_engine_with_or_without_a_prompt_budget():
+    """SPEC §4.8 c: a decode budget alone (the prompt is not evicted) or next to a prompt eviction; flat
+    vllm_xargs keys are typed like the nested ones."""
+    from vllm_evict.engine.request_config import flat_request, parse_request
+
+    alone = parse_request(to_extra_args(resolve({"policy": "snapkv", "decode_budget": 1024}, {})))
+    assert alone.config.budget is None and alone.config.num_pages(5000) is None
+    assert (alone.decode_budget, alone.decode_tokens(16), alone.protect_prompt) == (1024, 128, False)
+    both = parse_request(to_extra_args(resolve({"policy": "random", "budget": 0.2, "decode_budget": 512,
+                                                "decode_every": 100, "protect_prompt": True, "seed": 9}, {})))
+    assert (both.decode_tokens(16), both.protect_prompt, both.config.seed) == (112, True, 9)  # whole pages
+    flat = flat_request({"eviction_policy": "dropkv", "eviction_decode_budget": "256",
+                         "eviction_decode_every": "64", "eviction_protect_prompt": "true", "eviction_seed": "3"})
+    assert flat == {"policy": "dropkv", "decode_budget": 256, "decode_every": 64, "protect_prompt": True, "seed": 3}
+
+
+@pytest.mark.parametrize("bad, field", [({"decode_budget": 0}, "decode_budget"),
+                                        ({"decode_budget": 64.5}, "decode_budget"),
+                                        ({"decode_budget": "many"}, "decode_budget"),
+                                        ({"decode_budget": 64, "decode_every": 0}, "decode_every"),
+                                        ({"decode_budget": 64, "protect_prompt": "maybe"}, "protect_prompt"),
+                                        ({"decode_every": 64, "budget": 0.2}, "decode_budget"),
+                                        ({"protect_prompt": True, "budget": 0.2}, "decode_budget"),
+                                        ({"decode_budget": 64, "allocation": "adakv"}, "decode_budget"),
+                                        ({"decode_budget": 64, "seed": "x"}, "seed"),
+                                        ({}, "budget")])  # neither budget
+def test_bad_decode_settings_are_field_errors(bad, field):
+    with pytest.raises(EvictionFieldError, match=field):
+        resolve({"policy": "snapkv", **bad}, {})

@@ -202,6 +202,8 @@ def _snapshot(policy: str) -> dict[str, float]:
         "lat_sum": ("vllm_evict:eviction_latency_seconds_sum", {}),
         "lat_le_0.01": ("vllm_evict:eviction_latency_seconds_bucket", {"le": "0.01"}),
         "lat_le_0.025": ("vllm_evict:eviction_latency_seconds_bucket", {"le": "0.025"}),
+        "decode_n": ("vllm_evict:decode_compactions_total", {}),
+        "decode_tokens": ("vllm_evict:decode_evicted_tokens_total", {}),
     }
     return {k: val(n, policy=policy, **extra) for k, (n, extra) in names.items()}
 
@@ -233,6 +235,20 @@ def test_observe_eviction_updates_counters_and_histograms(metrics):
     before = _snapshot("unknown")
     M.observe_eviction({}, "")
     assert _delta(before, _snapshot("unknown"))["n"] == 1
+
+
+def test_decode_compactions_count_what_each_newer_report_adds(metrics):
+    """A decode-budget request reports again after each decode compaction: the first report counts whole,
+    each later one adds only its increase (compactions, evicted tokens, freed blocks)."""
+    first = {"policy": "t-decode", "prompt_tokens": 100, "decode_compactions": 1, "decode_evicted_tokens": 80,
+             "decode_blocks_freed": 5}
+    later = {**first, "decode_compactions": 3, "decode_evicted_tokens": 240, "decode_blocks_freed": 15}
+    before = _snapshot("t-decode")
+    M.observe_eviction(first)
+    M.observe_decode(first, later)
+    M.observe_decode(later, later)  # the final output repeats the last report: nothing new
+    d = _delta(before, _snapshot("t-decode"))
+    assert (d["n"], d["decode_n"], d["decode_tokens"], d["freed"]) == (1, 3, 240, 15)
 
 
 # ----------------------------------------------------------------------------------------------- one API process

@@ -100,7 +100,7 @@ def _install_request_validation() -> None:
 
 def _allow_prompts_beyond_kv_cache() -> None:
     """vLLM refuses to start when one --max-model-len sequence does not fit the KV cache. Block-wise
-    eviction (keydiff chunked=true) holds at most P + chunk/block_size blocks whatever its prompt, so with
+    eviction (chunked=true) holds at most P + chunk/block_size blocks whatever its prompt, so with
     $VLLM_EVICT_ALLOW_LONG_PROMPTS set (read when the engine starts) that refusal becomes a warning; the
     scheduler fails, at arrival, each request that could never fit the cache even alone
     (scheduler.peak_blocks)."""
@@ -120,7 +120,7 @@ def _allow_prompts_beyond_kv_cache() -> None:
         original(available_memory, lambda: 0, max_model_len, estimate_max_model_len)  # no cache at all: refused
         if get_needed_memory() > available_memory:
             logger.warning("vllm-evict (%s): --max-model-len %d does not fit the KV cache (about %d tokens); "
-                           "longer requests run only if they evict block-wise (keydiff chunked=true), others "
+                           "longer requests run only if they evict block-wise (chunked=true), others "
                            "that cannot fit fail with an error", LONG_PROMPTS_ENV, max_model_len,
                            estimate_max_model_len(available_memory))
 

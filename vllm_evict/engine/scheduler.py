@@ -22,11 +22,12 @@ Life of an evicting request, as the scheduler sees it:
    (positions and RoPE stay semantic on the worker) and never hashes its blocks again.
 Preemption frees everything; the recompute evicts again at the same point.
 
-Block-wise eviction (keydiff chunked=true, SPEC §4.3) repeats step 3 at every eviction point
-(request_config.eviction_points) and compacts in place: the kept pages are written into the request's
-first P blocks (the worker gathers the held tokens into a buffer first) and the rest are freed. Its
-blocks never enter the prefix cache, in either direction, because they are rewritten. So it never
-holds more than P + chunk/block_size blocks, and that, not the whole prompt, is what admission checks.
+Evicting again (SPEC §4.8): block-wise eviction (chunked=true) and decode-time eviction (decode_budget)
+repeat step 3 at every point of the request's CompactionSchedule and compact in place: the kept tokens
+are written into the request's first blocks (the worker gathers the held tokens into a buffer first) and
+the rest are freed. A request whose first compaction is in place takes no prefix hits and caches nothing,
+because its blocks are rewritten. Its peak over the schedule, not its whole sequence, is what admission
+checks.
 """
 
 from __future__ import annotations

@@ -107,6 +107,8 @@ class ReferenceDecoder:
             elif config is not None and config.num_pages(E, page_size) is not None:
                 w = config.window_size()
                 scores = score_tokens(config.policy, q[E - w:] if w else q[:0], k, v, scale=self.scale,
+                                      context=self._context(layer_idx, torch.arange(E).expand(self.num_kv_heads, E),
+                                                            0, config),
                                       **config.score_options())
                 keep = select_tokens(scores, config.budget, page_size=page_size, **config.select_options())
             keys = [k[:, h] if keep is None else k[keep[h], h] for h in range(self.num_kv_heads)]
@@ -193,6 +195,15 @@ class ReferenceDecoder:
         kept_per_layer = [[kh.shape[0] for kh in keys] for keys, _ in kv]
         return ReferenceResult(tokens, logprobs, top5, kept_per_layer, self._near_ties)
 
+    def _context(self, layer: int, positions: torch.Tensor, index: int, config):
+        """Where a layer's scored tokens sit (SPEC §4.8 e): original positions [H, n], heads 0..H_kv-1,
+        compaction index, the request's seed."""
+        from vllm_evict.policies.random import TokenContext
+
+        H = self.num_kv_heads
+        return TokenContext(positions=positions, heads=torch.arange(H), layers=torch.full((H,), layer),
+                            compaction=index, seed=config.seed or 0)
+
     def _compact(self, layer: int, keys: list, values: list, positions: list, queries: dict, spec, point: str,
                  index: int, pages: int | None, n: int, page_size: int) -> None:
         """Compaction point `index` of one layer (SPEC §4.8 a): each head keeps its best pages of its candidates."""
@@ -211,10 +222,7 @@ class ReferenceDecoder:
         window_positions = cand[0, m - w:].tolist()
         q_window = torch.stack([queries[p] for p in window_positions]) if w else None
         sink = int((cand[0] < config.sink_size()).sum())
-        from vllm_evict.policies.random import TokenContext
-
-        context = TokenContext(positions=cand, heads=torch.arange(H), layers=torch.full((H,), layer),
-                               compaction=index, seed=config.seed or 0)
+        context = self._context(layer, cand, index, config)
         scores = score_tokens(config.policy, q_window, k_all[fixed:], v_all[fixed:], scale=self.scale,
                               **{**config.score_options(), "window": w, "sink": sink}, context=context)
         if point == "decode":
