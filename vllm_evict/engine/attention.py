@@ -82,12 +82,8 @@ class EvictionAttentionMixin:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         layer_idx = extract_layer_index(layer.layer_name)
-        for cap in plan.captures:
-            buf = cap.state.q_window.get(layer_idx)
-            if buf is None:
-                buf = cap.state.q_window[layer_idx] = query.new_empty(cap.state.window, *query.shape[1:])
-            buf[cap.window_offset: cap.window_offset + cap.count] = \
-                query[cap.token_start: cap.token_start + cap.count]
+        if plan.capture_tokens is not None:
+            STATE.windows.capture(layer_idx, query, plan.capture_tokens, plan.capture_rows)
         cache = self._cached_paged_cache(layer, kv_cache)
         if plan.per_head:
             with torch.profiler.record_function("vllm_evict::per_head_attention"):

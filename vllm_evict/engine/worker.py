@@ -31,6 +31,51 @@ from vllm_evict.engine.request_config import PLAN_KEY, CompactionSchedule, Reque
 logger = init_logger(__name__)
 
 
+class WindowStore:
+    """The window queries of every evicting request, one tensor per layer [rows, Hq, D]: a request owns the
+    rows [offset, offset + w) (row i: the query of position `point - w + i` of its next point). A step's
+    captures are one gather and one scatter per layer (`capture`), whatever the number of requests.
+    Rows are handed out per window size and reused once a request is gone; the tensors grow (with their
+    rows copied) when a new request needs more."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, torch.Tensor] = {}
+        self.capacity = 0
+        self.free: dict[int, list[int]] = {}  # window size -> free offsets
+
+    def allocate(self, size: int) -> int:
+        spare = self.free.get(size)
+        if spare:
+            return spare.pop()
+        offset, self.capacity = self.capacity, self.capacity + size
+        return offset
+
+    def release(self, offset: int, size: int) -> None:
+        self.free.setdefault(size, []).append(offset)
+
+    def tensor(self, layer: int, like: torch.Tensor) -> torch.Tensor:
+        """The layer's rows, grown to the current capacity (a query of this step gives dtype and shape)."""
+        rows = self.layers.get(layer)
+        if rows is None or rows.shape[0] < self.capacity:
+            grown = like.new_empty(self.capacity, *like.shape[1:])
+            if rows is not None:
+                grown[: rows.shape[0]] = rows
+            rows = self.layers[layer] = grown
+        return rows
+
+    def capture(self, layer: int, query: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> None:
+        """Copy the queries of batch tokens `tokens` into `rows` (device int64 tensors of one step)."""
+        self.tensor(layer, query).index_copy_(0, rows, query.index_select(0, tokens))
+
+    def window(self, layer: int, offset: int, size: int) -> torch.Tensor:
+        return self.layers[layer][offset: offset + size]
+
+    def shift(self, offset: int, size: int, step: int) -> None:
+        """Rows [offset + step, offset + size) move to [offset, offset + size - step), in every layer."""
+        for rows in self.layers.values():
+            rows[offset: offset + size - step] = rows[offset + step: offset + size].clone()
+
+
 @dataclass
 class WorkerEviction:
     req_id: str
@@ -38,7 +83,9 @@ class WorkerEviction:
     schedule: CompactionSchedule         # the request's compaction points (the scheduler walks the same)
     page_size: int
     blocks: int = 0                     # F: fresh blocks a one-shot compaction writes (scheduler.plan_eviction)
-    q_window: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [w, Hq, D]
+    q_window: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [w, Hq, D], set to compact
+    window: int = 0                     # w (read once: the policy's default or the request's override)
+    window_offset: int = -1             # its rows in the worker's WindowStore (-1: none)
     layers: dict[int, LayerCompaction] = field(default_factory=dict)  # filled during the compaction step
     stacked: tuple | None = None        # per_head.stacked_counts: all layers' page counts, built once
     done: int = 0                       # compactions finished (counted from the step after each)
@@ -58,11 +105,8 @@ class WorkerEviction:
     def for_prompt(cls, req_id: str, spec: RequestEviction, num_prompt_tokens: int, page_size: int,
                    **fields) -> "WorkerEviction":
         return cls(req_id=req_id, spec=spec, schedule=CompactionSchedule(spec, num_prompt_tokens, page_size),
-                   page_size=page_size, **fields)
+                   page_size=page_size, window=spec.config.window_size(), **fields)
 
-    @property
-    def window(self) -> int:
-        return self.spec.config.window_size()
 
     @property
     def pages(self) -> int | None:
@@ -100,17 +144,17 @@ class WorkerEviction:
         """Tokens the request holds per head at its next compaction point."""
         return self.point.held
 
-    def advance(self) -> None:
+    def advance(self, windows: WindowStore | None = None) -> None:
         """The compaction at the next point has run: positions shift by that point minus what it holds, and
         the window rows the next point shares with this one move to their new rows."""
         point = self.point
         self.shift = point.at - (point.kept if point.in_place else self.blocks * self.page_size)
         self.done += 1
+        self.q_window = {}
         following = self.point
         step = self.window if following is None else following.at - point.at
-        if step < self.window:
-            for rows in self.q_window.values():  # row i holds the query of position (point - w + i)
-                rows[: self.window - step] = rows[step:].clone()
+        if step < self.window and windows is not None and self.window_offset >= 0:
+            windows.shift(self.window_offset, self.window, step)
 
     @property
     def stock_layout(self) -> bool:
@@ -125,7 +169,7 @@ class Capture:
     state: WorkerEviction
     token_start: int     # first batch token to copy
     count: int
-    window_offset: int   # row in q_window
+    window_offset: int   # row in the request's window (its WindowStore rows)
 
 
 @dataclass
@@ -140,6 +184,8 @@ class StepPlan:
     per_head_rows: list[int]                 # the compacted rows without stock layout (Ada-KV)
     per_head_tokens: list[int]               # batch indices of their scheduled tokens
     page_size: int
+    capture_tokens: torch.Tensor | None = None  # [N] int64: batch tokens whose queries the step records
+    capture_rows: torch.Tensor | None = None    # [N] int64: their WindowStore rows
     max_blocks: int = 0                      # widest block-table row this step (per-head steps only)
     row_blocks: list[int] = field(default_factory=list)  # blocks of each row (per-head steps only)
     cache: dict = field(default_factory=dict)  # kept across steps (per_head reuses row stacks)
@@ -182,6 +228,7 @@ class WorkerEvictionState:
         self.step_cache: dict = {}               # per_head's cross-step cache (StepPlan.cache)
         self.capturing_per_head = False          # capturing a PerHeadDecodeBatch graph
         self.heads: KVHeadGroup | None = None    # this rank's KV heads (set by the first plan)
+        self.windows = WindowStore()             # every request's window queries
 
     def attach_report(self, output):
         """Send compaction latencies, failures and trimmed fresh blocks to the scheduler on a
@@ -221,11 +268,15 @@ class WorkerEvictionState:
         page_size = runner.cache_config.block_size
         state = WorkerEviction.for_prompt(req_id, spec, num_prompt_tokens, page_size, blocks=blocks)
         assert (state.schedule.evict_at, state.pages or 0, state.chunk) == (evict_at, pages, chunk), "plan mismatch"
+        if state.window:
+            state.window_offset = self.windows.allocate(state.window)
         return state
 
     def _forget(self, req_id: str) -> None:
-        self.requests.pop(req_id, None)
+        state = self.requests.pop(req_id, None)
         self.pending_strip.pop(req_id, None)
+        if state is not None and state.window_offset >= 0:
+            self.windows.release(state.window_offset, state.window)
 
     def before_update_states(self, runner, scheduler_output) -> None:
         for req_id in scheduler_output.finished_req_ids:
@@ -252,7 +303,7 @@ class WorkerEvictionState:
             row = runner.input_batch.req_id_to_index.get(req_id)
             if row is not None:
                 runner.input_batch.block_table.add_row(req.block_ids, row)
-            state.advance()
+            state.advance(self.windows)
         self.pending_strip.clear()
 
     def build_plan(self, runner, scheduler_output) -> None:
@@ -319,7 +370,17 @@ class WorkerEvictionState:
                 if not state.compacted:
                     del self.requests[state.req_id]
                     states[row] = None
+        if captures:  # one gather and one scatter per layer (attention.py)
+            from vllm_evict.engine.per_head import host_to_device
+
+            tokens = [c.token_start + i for c in captures for i in range(c.count)]
+            rows = [c.state.window_offset + c.window_offset + i for c in captures for i in range(c.count)]
+            device = runner.seq_lens.device
+            capture_tokens, capture_rows = host_to_device(tokens, device), host_to_device(rows, device)
+        else:
+            capture_tokens = capture_rows = None
         plan = StepPlan(num_reqs=num_reqs, states=states, captures=captures, compacting=compacting,
+                        capture_tokens=capture_tokens, capture_rows=capture_rows,
                         compacted_rows=compacted_rows, per_head_rows=per_head_rows,
                         per_head_tokens=per_head_tokens, page_size=runner.cache_config.block_size,
                         cache=self.step_cache)
@@ -350,6 +411,9 @@ class WorkerEvictionState:
         device = layers[0][1].device
         for row in plan.compacting:
             state = plan.states[row]
+            if state.window:
+                state.q_window = {index: self.windows.window(index, state.window_offset, state.window)
+                                  for index, _ in layers}
             started = self.latency.start(device)
             try:
                 with torch.profiler.record_function("vllm_evict.compact"):  # a named range in torch profiles
