@@ -3,7 +3,7 @@ prefill for every policy (`chunked=true`) and the `random` policy, against the i
 that replays the same compaction points (`ReferenceDecoder.replay`):
 * tokens and logprobs equal the reference for every policy, with and without protect_prompt, with and
   without a prompt eviction, in mixed batches with plain and one-shot requests, >= 3 decode compactions each;
-* a decode budget that covers the whole sequence changes no token;
+* a decode budget that covers the whole sequence changes no token; n = 2 and a stop token work;
 * after every engine step a request holds exactly the blocks of its physical length, never more than its
   schedule's bound, and the pool returns to idle after aborts at random steps and after preemption.
 One engine for the module."""
@@ -193,4 +193,27 @@ def test_a_preempted_decode_budget_request_replays_its_points(engine, reference)
     expected = reference.replay(prompt, MAX_TOKENS, spec_of(case), page_size=PAGE)
     check_against_reference(out, expected, "preempted")
     assert out.kv_transfer_params["vllm_evict"]["decode_compactions"] == 4
+    assert pool.get_num_free_blocks() == idle_free
+
+
+def test_n_and_stop_tokens_with_a_decode_budget(engine, reference):
+    """n = 2 (two sequences of one request, each with its own compaction state) and a stop token after
+    the decode points: both sequences equal the reference and stop where it generates that token; the pool
+    returns to idle."""
+    from vllm import SamplingParams
+
+    pool = scheduler_of(engine).kv_cache_manager.block_pool
+    idle_free = pool.get_num_free_blocks()
+    prompt = random_prompt(90, 180)
+    case = {"policy": "keydiff", **DECODE}
+    expected = reference.replay(prompt, MAX_TOKENS, spec_of(case), page_size=PAGE)
+    stop = expected.token_ids[100]  # past three decode points
+    end = expected.token_ids.index(stop) + 1
+    params_n = SamplingParams(temperature=1.0, top_k=1, max_tokens=MAX_TOKENS, n=2, stop_token_ids=[stop],  # greedy
+                              extra_args={"vllm_evict": case})
+    out = engine.generate([{"prompt_token_ids": prompt}], params_n)[0]
+    assert len(out.outputs) == 2
+    for seq in out.outputs:
+        assert list(seq.token_ids) == expected.token_ids[:end]
+    assert out.kv_transfer_params["vllm_evict"]["decode_compactions"] >= (end - 1) // 32 >= 3
     assert pool.get_num_free_blocks() == idle_free

@@ -1,0 +1,184 @@
+"""Quality of evicting again (issue 34, SPEC §4.8) on SmolLM2-135M-Instruct, through the real engine.
+
+* **Perplexity under block-wise eviction** (the StreamingLLM evaluation): a long real text that ships
+  offline, concatenated CPython standard-library sources of this interpreter, cut to --ppl-tokens tokens,
+  is scored with `prompt_logprobs` once with the full cache and once per (policy, budget) with
+  `chunked=true` (the prompt is evicted block-wise while it is prefilled, so each chunk's tokens are
+  predicted from what the budget kept). Perplexity over all positions and over those past the budget.
+* **Generation fidelity under decode-time eviction:** greedy tokens of a short chat prompt, --gen-tokens
+  generated (ignore_eos), with `decode_budget` K_d per policy, against the full cache: the first
+  divergence and the share of positions with the same token.
+
+    python benchmarks/quality_evict_again.py --out-dir docs/quality     # CPU: ~15-30 min on 2 cores
+
+Writes evict_again.json (config, environment, every row) and evict_again.md (tables), and
+evict_again.png (perplexity per policy and budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+STDLIB_FILES = ("argparse.py", "collections/__init__.py", "json/decoder.py", "inspect.py", "textwrap.py",
+                "dataclasses.py", "functools.py", "heapq.py", "bisect.py", "shlex.py")
+GEN_PROMPT = ("Write a long, detailed story about a lighthouse keeper who finds a message in a bottle. "
+              "Describe the island, the weather, the keeper's daily routine and every person the keeper meets.")
+
+
+def stdlib_text() -> str:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return "\n\n".join((root / name).read_text() for name in STDLIB_FILES)
+
+
+def perplexity(logprobs: list[float]) -> float:
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def prompt_logprobs(output, token_ids: list[int]) -> list[float]:
+    """Log-probability of each prompt token after the first."""
+    return [step[token].logprob for step, token in zip(output.prompt_logprobs[1:], token_ids[1:])]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out-dir", default="docs/quality")
+    ap.add_argument("--ppl-tokens", type=int, default=4096)
+    ap.add_argument("--ppl-budgets", type=int, nargs="+", default=[1024, 2048])
+    ap.add_argument("--chunk-size", type=int, default=128)
+    ap.add_argument("--gen-tokens", type=int, default=2048)
+    ap.add_argument("--decode-budgets", type=int, nargs="+", default=[256, 512, 1024])
+    ap.add_argument("--policies", nargs="+", default=None, help="default: every registered policy")
+    args = ap.parse_args()
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import SamplingParams
+
+    from vllm_evict.models import prepare_smollm2
+    from vllm_evict.policies import POLICIES
+    from vllm_evict.testing.engines import make_llm
+
+    policies = args.policies or list(POLICIES)
+    model = prepare_smollm2()
+    started = time.time()
+    llm = make_llm(str(model), dtype="float32", block_size=16, kv_cache_memory_bytes=1 << 30,
+                   max_model_len=max(args.ppl_tokens, args.gen_tokens + 256) + 16, max_num_seqs=64,
+                   max_num_batched_tokens=2048)
+    tokenizer = llm.get_tokenizer()
+    text_ids = tokenizer(stdlib_text())["input_ids"][: args.ppl_tokens]
+
+    def params(eviction: dict | None, **kw) -> SamplingParams:
+        return SamplingParams(temperature=0, extra_args={"vllm_evict": eviction} if eviction else None, **kw)
+
+    # perplexity: full cache, then every (policy, budget) block-wise
+    ppl_cases = [None] + [{"policy": p, "budget": b, "chunked": True, "chunk_size": args.chunk_size}
+                          for b in args.ppl_budgets for p in policies]
+    outs = llm.generate([{"prompt_token_ids": text_ids}] * len(ppl_cases),
+                        [params(c, max_tokens=1, prompt_logprobs=0) for c in ppl_cases])
+    ppl_rows = []
+    for case, out in zip(ppl_cases, outs):
+        lp = prompt_logprobs(out, text_ids)
+        row = {"policy": case["policy"] if case else "full", "budget": case["budget"] if case else None,
+               "ppl": round(perplexity(lp), 4)}
+        if case:
+            row["ppl_past_budget"] = round(perplexity(lp[case["budget"]:]), 4)
+        ppl_rows.append(row)
+    full_lp = prompt_logprobs(outs[0], text_ids)
+    for row in ppl_rows[1:]:
+        row["full_ppl_past_budget"] = round(perplexity(full_lp[row["budget"]:]), 4)
+
+    # fidelity: greedy tokens under decode budgets against the full cache
+    chat = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": GEN_PROMPT}], tokenize=False,
+                                                   add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    gen_cases = [None] + [{"policy": p, "decode_budget": k} for k in args.decode_budgets for p in policies]
+    outs = llm.generate([{"prompt_token_ids": chat}] * len(gen_cases),
+                        [params(c, max_tokens=args.gen_tokens, ignore_eos=True) for c in gen_cases])
+    full = list(outs[0].outputs[0].token_ids)
+    gen_rows = []
+    for case, out in zip(gen_cases[1:], outs[1:]):
+        got = list(out.outputs[0].token_ids)
+        first = next((i for i, (a, b) in enumerate(zip(got, full)) if a != b), len(full))
+        report = (out.kv_transfer_params or {}).get("vllm_evict", {})
+        gen_rows.append({"policy": case["policy"], "decode_budget": case["decode_budget"], "first_divergence": first,
+                         "agreement": round(sum(a == b for a, b in zip(got, full)) / len(full), 4),
+                         "decode_compactions": report.get("decode_compactions")})
+
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "model": str(model.name),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(time.time() - started),
+              "python": platform.python_version(), "text": {"stdlib_files": STDLIB_FILES, "tokens": len(text_ids)},
+              "chunk_size": args.chunk_size, "gen_prompt_tokens": len(chat), "gen_tokens": args.gen_tokens,
+              "perplexity": ppl_rows, "fidelity": gen_rows}
+    (out_dir / "evict_again.json").write_text(json.dumps(result, indent=1))
+    write_markdown(result, out_dir / "evict_again.md")
+    plot(result, out_dir / "evict_again.png")
+    print((out_dir / "evict_again.md").read_text())
+    return 0
+
+
+def write_markdown(result: dict, path: Path) -> None:
+    full = result["perplexity"][0]["ppl"]
+    budgets = sorted({r["budget"] for r in result["perplexity"][1:]})
+    lines = [f"Perplexity of {result['text']['tokens']} tokens of CPython sources (full cache {full}), "
+             f"block-wise eviction in chunks of {result['chunk_size']} tokens; in brackets, over the positions "
+             "past the budget (full cache there in the header).", "",
+             "| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    rows = {}
+    for r in result["perplexity"][1:]:
+        rows.setdefault(r["policy"], {})[r["budget"]] = r
+    header_full = {r["budget"]: r["full_ppl_past_budget"] for r in result["perplexity"][1:]}
+    lines.insert(4, "| full cache | " + " | ".join(f"{full} ({header_full[b]})" for b in budgets) + " |")
+    for policy, by_budget in rows.items():
+        lines.append(f"| {policy} | " + " | ".join(f"{by_budget[b]['ppl']} ({by_budget[b]['ppl_past_budget']})"
+                                                   for b in budgets) + " |")
+    decode = sorted({r["decode_budget"] for r in result["fidelity"]})
+    lines += ["", f"Greedy generation of {result['gen_tokens']} tokens (ignore_eos) from a "
+              f"{result['gen_prompt_tokens']}-token chat prompt with a decode budget, against the full cache: "
+              "first divergence (token index) / share of equal tokens.", "",
+              "| policy | " + " | ".join(f"K_d {k}" for k in decode) + " |", "|---|" + "---|" * len(decode)]
+    fid = {}
+    for r in result["fidelity"]:
+        fid.setdefault(r["policy"], {})[r["decode_budget"]] = r
+    for policy, by_budget in fid.items():
+        lines.append(f"| {policy} | " + " | ".join(
+            f"{by_budget[k]['first_divergence']} / {by_budget[k]['agreement']:.2f}" for k in decode) + " |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = result["perplexity"][1:]
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    budgets = sorted({r["budget"] for r in rows})
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(budgets)
+    for i, b in enumerate(budgets):
+        values = [next(r["ppl"] for r in rows if r["policy"] == p and r["budget"] == b) for p in policies]
+        ax.bar([x + i * width for x in range(len(policies))], values, width, label=f"budget {b}")
+    ax.axhline(result["perplexity"][0]["ppl"], color="k", linestyle="--", label="full cache")
+    ax.set_xticks([x + width * (len(budgets) - 1) / 2 for x in range(len(policies))], policies, rotation=45,
+                  ha="right")
+    ax.set_ylabel("perplexity")
+    ax.set_yscale("log")
+    ax.set_title(f"SmolLM2-135M, {result['text']['tokens']} tokens of CPython sources, block-wise eviction")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
