@@ -62,6 +62,25 @@ def test_uniform_policies_match_reference_in_one_mixed_batch(engine, reference):
     assert pool.get_num_free_blocks() == idle_free
 
 
+def test_decode_time_eviction_matches_the_reference_at_tp2(engine, reference):
+    """Decode-time eviction (SPEC §4.8) under TP: each rank compacts its own heads at the same points; the
+    random policy hashes the global KV head index (rank 1's head is head 1, not its local head 0), so the
+    tokens equal the TP=1 reference's replay."""
+    from vllm_evict.engine.request_config import parse_request
+
+    prompt = random_prompt(14, 200)
+    cases = [{"policy": "random", "decode_budget": 48, "decode_every": 32, "seed": 3},
+             {"policy": "snapkv", "budget": 0.25, "decode_budget": 64, "decode_every": 32},
+             {"policy": "keydiff", "budget": 64, "chunked": True, "chunk_size": 64, "decode_budget": 48,
+              "decode_every": 32, "protect_prompt": True}]
+    max_tokens = 100
+    outputs = engine.generate([{"prompt_token_ids": prompt}] * len(cases), [params(c, max_tokens) for c in cases])
+    for case, out in zip(cases, outputs):
+        expected = reference.replay(prompt, max_tokens, parse_request({"vllm_evict": case}), page_size=PAGE)
+        assert list(out.outputs[0].token_ids) == expected.token_ids, case
+        assert out.kv_transfer_params["vllm_evict"]["decode_compactions"] >= 2, case
+
+
 def test_adakv_allocates_over_all_heads_as_at_tp1(engine, reference):
     """Ada-KV under TP allocates each layer's P*H_kv pages over all H_kv heads (SPEC §3.4), as TP=1 does:
     the ranks all-gather their heads' scores. Here each rank holds one of the 2 KV heads, so a rank-local
