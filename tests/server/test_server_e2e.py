@@ -447,6 +447,18 @@ def test_invalid_eviction_via_client_and_xargs(client, http):
 def test_metrics(client, http):
     _, _, usage = create(client, "completions", "metrics warmup", max_tokens=2, extra_body={"ignore_eos": True})
     assert_evicted(eviction_of(usage), DEFAULT_POLICY)
+    # decode-time eviction (issue 34): the report's decode compactions and tokens reach the decode counters
+    before = scrape(http)
+    decode = {"policy": "dropkv", "decode_budget": 16, "decode_every": 16}
+    _, _, usage = create(client, "completions", "metrics decode", max_tokens=40,
+                         extra_body={"ignore_eos": True, "eviction": decode})
+    ev = eviction_of(usage)
+    assert ev["decode_compactions"] >= 2 and ev["decode_evicted_tokens"] > 0, ev
+    after = scrape(http)
+    for family, key in (("vllm_evict:decode_compactions", "decode_compactions"),
+                        ("vllm_evict:decode_evicted_tokens", "decode_evicted_tokens")):
+        delta = metric(after, family, policy="dropkv") - metric(before, family, policy="dropkv")
+        assert delta == pytest.approx(ev[key], abs=1e-3), family
     names = sample_names(http)
     assert METRIC_NAMES and all(n.startswith("vllm_evict:") for n in METRIC_NAMES)
     missing = [n for n in METRIC_NAMES if not names & {n + s for s in ("", "_total", "_bucket", "_count", "_sum")}]

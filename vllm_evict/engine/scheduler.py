@@ -414,7 +414,8 @@ class _EvictionSchedulerMixin:
             for output in engine_outputs.outputs:
                 ev = pending.pop(output.request_id, None)
                 if ev is not None:
-                    output.kv_transfer_params = {**(output.kv_transfer_params or {}), EXTRA_ARGS_KEY: self._report(ev, self.requests.get(output.request_id))}
+                    report = self._report(ev, self.requests.get(output.request_id))
+                    output.kv_transfer_params = {**(output.kv_transfer_params or {}), EXTRA_ARGS_KEY: report}
                     ev.reported = ev.done
 
     def _free_request(self, request, delay_free_blocks: bool = False):
