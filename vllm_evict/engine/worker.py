@@ -107,7 +107,6 @@ class WorkerEviction:
         return cls(req_id=req_id, spec=spec, schedule=CompactionSchedule(spec, num_prompt_tokens, page_size),
                    page_size=page_size, window=spec.config.window_size(), **fields)
 
-
     @property
     def pages(self) -> int | None:
         return self.schedule.pages

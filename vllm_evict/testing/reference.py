@@ -179,12 +179,7 @@ class ReferenceDecoder:
         pending = list(prompt_ids[done:])
         while len(tokens) < max_tokens:
             if not pending:
-                logits = self.model.lm_head(model.norm(last_hidden))[0].float()
-                logp = logits.log_softmax(-1)
-                tok = int(torch.argmax(logits))
-                tokens.append(tok)
-                logprobs.append(float(logp[tok]))
-                top5.append(logp.topk(5).indices.tolist())
+                tok = self._greedy(last_hidden, tokens, logprobs, top5)
                 pending = [tok]
                 if len(tokens) == max_tokens:
                     break
@@ -236,6 +231,15 @@ class ReferenceDecoder:
         values[:] = [v_all[keep[h].to(v_all.device), h] for h in range(H)]
         positions[:] = [held[h][keep[h]] for h in range(H)]
 
+    def _greedy(self, last_hidden, tokens: list[int], logprobs: list[float], top5: list[list[int]]) -> int:
+        """The greedy token after `last_hidden`, appended with its logprob and the top 5 to the lists."""
+        logp = self.model.lm_head(self.model.model.norm(last_hidden))[0].float().log_softmax(-1)
+        tok = int(torch.argmax(logp))
+        tokens.append(tok)
+        logprobs.append(float(logp[tok]))
+        top5.append(logp.topk(5).indices.tolist())
+        return tok
+
     def _decode(self, kv, last_hidden, pending: list[int], pos: int, max_tokens: int,
                 kept_per_layer: list[list[int]]) -> ReferenceResult:
         """Token by token over the per-head caches `kv` from position `pos`: the `pending` prompt tokens
@@ -244,12 +248,7 @@ class ReferenceDecoder:
         tokens, logprobs, top5 = [], [], []
         while len(tokens) < max_tokens:
             if not pending:
-                logits = self.model.lm_head(model.norm(last_hidden))[0].float()
-                logp = logits.log_softmax(-1)
-                tok = int(torch.argmax(logits))
-                tokens.append(tok)
-                logprobs.append(float(logp[tok]))
-                top5.append(logp.topk(5).indices.tolist())
+                tok = self._greedy(last_hidden, tokens, logprobs, top5)
                 pending = [tok]
                 if len(tokens) == max_tokens:
                     break
