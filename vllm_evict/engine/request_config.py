@@ -192,8 +192,53 @@ class CompactionSchedule:
         return max(peak, -(-(physical + num_tokens - at) // bs))
 
 
+class FollowsSchedule:
+    """What the scheduler's and a worker's view of a request read off its CompactionSchedule, given the
+    number of points `done` (both define `schedule` and `done`)."""
+
+    schedule: CompactionSchedule
+    done: int
+
+    @property
+    def pages(self) -> int | None:
+        return self.schedule.pages
+
+    @property
+    def evict_at(self) -> int:
+        return self.schedule.evict_at
+
+    @property
+    def chunk(self) -> int:
+        return self.schedule.chunk
+
+    @property
+    def point(self) -> Point | None:
+        """The next compaction point, None past the last."""
+        return self.schedule.point(self.done)
+
+    @property
+    def next_point(self) -> int | None:
+        point = self.point
+        return None if point is None else point.at
+
+    @property
+    def compacted(self) -> bool:
+        return self.done > 0
+
+
 # Request fields the engine reads besides the policy's (EvictionConfig)
 ENGINE_FIELDS = ("evict_at", "chunk_size", "decode_budget", "decode_every", "protect_prompt")
+
+
+def _token_count(spec: dict, name: str) -> int | None:
+    """Pop an optional token count in [1, MAX_CHUNK_SIZE] (chunk_size, decode_every)."""
+    value = spec.pop(name, None)
+    if value is None:
+        return None
+    value = check_int(name, value, minimum=1)
+    if value > MAX_CHUNK_SIZE:
+        raise ValueError(f"{name} must be at most {MAX_CHUNK_SIZE}, got {value}")
+    return value
 
 
 def _from_mapping(spec: Mapping[str, Any]) -> RequestEviction | None:
@@ -203,19 +248,11 @@ def _from_mapping(spec: Mapping[str, Any]) -> RequestEviction | None:
     evict_at = spec.pop("evict_at", None)
     if evict_at is not None:
         evict_at = check_int("evict_at", evict_at, minimum=1)  # prompt tokens
-    chunk_size = spec.pop("chunk_size", None)
-    if chunk_size is not None:
-        chunk_size = check_int("chunk_size", chunk_size, minimum=1)
-        if chunk_size > MAX_CHUNK_SIZE:
-            raise ValueError(f"chunk_size must be at most {MAX_CHUNK_SIZE}, got {chunk_size}")
+    chunk_size = _token_count(spec, "chunk_size")
     decode_budget = spec.pop("decode_budget", None)
     if decode_budget is not None:
         decode_budget = check_int("decode_budget", decode_budget, minimum=1)  # >= page size: check_page_size
-    decode_every = spec.pop("decode_every", None)
-    if decode_every is not None:
-        decode_every = check_int("decode_every", decode_every, minimum=1)
-        if decode_every > MAX_CHUNK_SIZE:
-            raise ValueError(f"decode_every must be at most {MAX_CHUNK_SIZE}, got {decode_every}")
+    decode_every = _token_count(spec, "decode_every")
     protect_prompt = spec.pop("protect_prompt", False)
     if not isinstance(protect_prompt, bool):
         raise ValueError(f"protect_prompt must be a bool, got {protect_prompt!r}")

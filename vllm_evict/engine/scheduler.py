@@ -44,7 +44,8 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import RequestStatus
 
-from vllm_evict.engine.request_config import (EXTRA_ARGS_KEY, PLAN_KEY, CompactionSchedule, RequestEviction,
+from vllm_evict.engine.request_config import (EXTRA_ARGS_KEY, PLAN_KEY, CompactionSchedule, FollowsSchedule,
+                                              RequestEviction,
                                               long_prompts_allowed, parse_request)
 from vllm_evict.engine.worker import FAILED_ATTR, LATENCY_ATTR, TRIMMED_ATTR
 
@@ -52,7 +53,7 @@ logger = init_logger(__name__)
 
 
 @dataclass
-class SchedulerEviction:
+class SchedulerEviction(FollowsSchedule):
     request: RequestEviction
     schedule: CompactionSchedule  # the request's compaction points (shared with the workers)
     blocks: int            # F: fresh blocks a one-shot compaction writes (P, or more for Ada-KV under TP)
@@ -69,32 +70,6 @@ class SchedulerEviction:
     decode_blocks_freed: int = 0
     latency_ms: float | None = None  # scoring + compaction, reported by the worker
     reported: int = 0                # compactions whose report went out on a step's output
-
-    @property
-    def pages(self) -> int | None:
-        return self.schedule.pages
-
-    @property
-    def evict_at(self) -> int:
-        return self.schedule.evict_at
-
-    @property
-    def chunk(self) -> int:
-        return self.schedule.chunk
-
-    @property
-    def current(self):
-        """The next point to schedule (request_config.Point), None past the last."""
-        return self.schedule.point(self.done)
-
-    @property
-    def next_point(self) -> int | None:
-        point = self.current
-        return None if point is None else point.at
-
-    @property
-    def compacted(self) -> bool:
-        return self.done > 0
 
     @property
     def rewrites_blocks(self) -> bool:
@@ -165,7 +140,7 @@ class EvictionKVCacheManager(KVCacheManager):
         given = {**_ALLOCATE_SLOTS_DEFAULTS, **kwargs}
         chunk_end = (request.num_computed_tokens + given["num_new_computed_tokens"]
                      + given["num_external_computed_tokens"] + num_new_tokens)
-        point = ev.current
+        point = ev.point
         evicts = point is not None and chunk_end == point.at
         if ev.rewrites_blocks or ev.compacted:  # never hashed: compacted blocks, or blocks compaction rewrites
             kwargs["delay_cache_blocks"] = True
@@ -223,7 +198,7 @@ class EvictionKVCacheManager(KVCacheManager):
         Freed now, read by the worker in the step just scheduled; any reuse happens in a later step."""
         manager = self.coordinator.single_type_managers[0]
         blocks = manager.req_to_blocks[request_id]
-        point = ev.current
+        point = ev.point
         if point.in_place:
             count = -(-point.kept // self.page_size)
             kept, freed = blocks[:count], blocks[count:]

@@ -26,7 +26,8 @@ from vllm.forward_context import BatchDescriptor, get_forward_context, is_forwar
 from vllm.logger import init_logger
 
 from vllm_evict.engine.compaction import KVHeadGroup, LayerCompaction, compact_request
-from vllm_evict.engine.request_config import PLAN_KEY, CompactionSchedule, RequestEviction, parse_request
+from vllm_evict.engine.request_config import (PLAN_KEY, CompactionSchedule, FollowsSchedule, RequestEviction,
+                                              parse_request)
 
 logger = init_logger(__name__)
 
@@ -77,7 +78,7 @@ class WindowStore:
 
 
 @dataclass
-class WorkerEviction:
+class WorkerEviction(FollowsSchedule):
     req_id: str
     spec: RequestEviction
     schedule: CompactionSchedule         # the request's compaction points (the scheduler walks the same)
@@ -107,36 +108,11 @@ class WorkerEviction:
         return cls(req_id=req_id, spec=spec, schedule=CompactionSchedule(spec, num_prompt_tokens, page_size),
                    page_size=page_size, window=spec.config.window_size(), **fields)
 
-    @property
-    def pages(self) -> int | None:
-        return self.schedule.pages
-
-    @property
-    def evict_at(self) -> int:
-        return self.schedule.evict_at
-
-    @property
-    def chunk(self) -> int:
-        return self.schedule.chunk
 
     @property
     def prompt_blocks(self) -> int:
         """cdiv(E, page_size): prompt blocks before the F fresh ones of a one-shot compaction."""
         return -(-self.evict_at // self.page_size)
-
-    @property
-    def compacted(self) -> bool:
-        return self.done > 0
-
-    @property
-    def point(self):
-        """The next compaction point (request_config.Point), None past the last."""
-        return self.schedule.point(self.done)
-
-    @property
-    def next_point(self) -> int | None:
-        point = self.point
-        return None if point is None else point.at
 
     @property
     def held(self) -> int:
