@@ -9,8 +9,8 @@
 #   probe  podman starts a trivial container (finds a runtime / ulimits that work here)   (exit 77 if none)
 #   build  `buildah build --isolation chroot --format docker -f deploy/Dockerfile.cpu` on that base
 #          (--build-arg BASE_IMAGE), the host's pip cache bind-mounted for the image's pip installs.
-#   run    `podman run` of the image as shipped (its ENTRYPOINT and USER, no model argument: the tiny model
-#          as `tiny-llama`), port 8000 published on 127.0.0.1:$PORT; then checks
+#   run    `podman run` of the image as shipped (its ENTRYPOINT, CMD and USER: the tiny model as
+#          `tiny-llama`), port 8000 published on 127.0.0.1:$PORT; then checks
 #          * the image's own HEALTHCHECK (`podman healthcheck run`: the command from the Dockerfile) passes,
 #          * GET /health from the host answers 200; the server process runs as the image's USER (10001),
 #          * one chat completion with {"eviction": {"policy": "snapkv", "budget": 0.25}} on a ~250-token

