@@ -29,12 +29,17 @@ def reference(tiny_llama):
     return ReferenceDecoder(tiny_llama)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-isolated groups the items
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run through the device tool)")
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(
+        reason="needs a CUDA GPU (run through the device tool)")
     for item in items:
-        if "gpu" in item.keywords:
+        if skip_gpu and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+        # Every module that starts a real engine runs in a Python process of its own (pytest-isolated): vLLM,
+        # torch and the plugin keep process-wide state across engines, and a native crash (an abort in a
+        # kernel) then fails that module's tests with the process's stderr instead of ending the whole run.
+        if "engine" in item.keywords and not item.get_closest_marker("isolated"):
+            item.add_marker(pytest.mark.isolated(group=item.nodeid.split("::")[0]))
