@@ -30,12 +30,11 @@ CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def register(subparsers) -> None:
-    """`vllm-evict serve` in the command list; vllm_evict.cli.main hands its arguments to `serve` as they
-    are (vLLM's parser reads them; vLLM is imported only when the subcommand runs)."""
-    p = subparsers.add_parser("serve", add_help=False, description=__doc__,
-                              help="vLLM's OpenAI-compatible server with per-request KV-cache eviction")
-    p.add_argument("argv", nargs=argparse.REMAINDER)
-    p.set_defaults(func=lambda args: serve(args.argv))
+    """`vllm-evict serve` in the command list."""
+    from vllm_evict.cli import add_passthrough
+
+    add_passthrough(subparsers, "serve", serve, description=__doc__,
+                    help="vLLM's OpenAI-compatible server with per-request KV-cache eviction")
 
 
 def build_parser():

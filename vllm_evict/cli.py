@@ -16,6 +16,14 @@ SUBCOMMAND_MODULES = (
 )
 
 
+def add_passthrough(subparsers, name: str, run, **parser_kwargs) -> None:
+    """A subcommand whose arguments go, as they are, to `run(argv)`: vLLM's own parser reads them, and
+    vLLM is imported only when the subcommand runs (main() dispatches these before argparse)."""
+    p = subparsers.add_parser(name, add_help=False, **parser_kwargs)
+    p.add_argument("argv", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda args: run(args.argv))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-evict", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)

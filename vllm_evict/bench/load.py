@@ -18,12 +18,11 @@ import sys
 
 
 def register(subparsers) -> None:
-    """`vllm-evict bench` in the command list; vllm_evict.cli.main hands its arguments to `bench` as they
-    are (vLLM's parser reads them; vLLM is imported only when the subcommand runs)."""
-    p = subparsers.add_parser("bench", add_help=False, description=__doc__,
-                              help="vLLM's load tool (`vllm bench serve`) against a running server")
-    p.add_argument("argv", nargs=argparse.REMAINDER)
-    p.set_defaults(func=lambda args: bench(args.argv))
+    """`vllm-evict bench` in the command list."""
+    from vllm_evict.cli import add_passthrough
+
+    add_passthrough(subparsers, "bench", bench, description=__doc__,
+                    help="vLLM's load tool (`vllm bench serve`) against a running server")
 
 
 def bench(argv: list[str]) -> int:
