@@ -1,7 +1,23 @@
 import contextlib
+import io
 import os
+import sys
 
 import pytest
+
+
+@contextlib.contextmanager
+def stdout_with_a_file_descriptor():
+    """For building an in-process engine: vLLM points file descriptor 1 at /dev/null around gloo's group
+    set-up (`suppress_stdout` reads `sys.stdout.fileno()`), which sys-level capture has not got (the
+    engine modules' own processes run under pytest-isolated's --capture=tee-sys)."""
+    try:
+        sys.stdout.fileno()
+        usable = sys.stdout
+    except (io.UnsupportedOperation, AttributeError, ValueError):
+        usable = sys.__stdout__
+    with contextlib.redirect_stdout(usable):
+        yield
 
 
 @contextlib.contextmanager
@@ -13,7 +29,8 @@ def inprocess_llm(model, **overrides):
     from vllm_evict.testing.engines import make_llm
 
     try:
-        llm = make_llm(model, **overrides)
+        with stdout_with_a_file_descriptor():
+            llm = make_llm(model, **overrides)
         yield llm
         del llm
     finally:

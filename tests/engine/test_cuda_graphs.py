@@ -50,6 +50,7 @@ def generate(model, **engine_overrides):
     from vllm.config import CUDAGraphMode
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from tests.engine.inprocess import stdout_with_a_file_descriptor
     from vllm_evict.engine.worker import STATE, PerHeadDecodeBatch
     from vllm_evict.testing.engines import make_llm
 
@@ -67,8 +68,9 @@ def generate(model, **engine_overrides):
 
     GPUModelRunner._determine_batch_execution_and_padding = recording
     try:
-        llm = make_llm(model, dtype="bfloat16", block_size=PAGE, max_model_len=2048, kv_cache_memory_bytes=1 << 30,
-                       max_num_seqs=16, seed=0, **engine_overrides)
+        with stdout_with_a_file_descriptor():
+            llm = make_llm(model, dtype="bfloat16", block_size=PAGE, max_model_len=2048,
+                           kv_cache_memory_bytes=1 << 30, max_num_seqs=16, seed=0, **engine_overrides)
         params = [SamplingParams(temperature=0, max_tokens=SHORT if c and c.get("allocation") == "adakv" else LONG,
                                  ignore_eos=True, logprobs=5, extra_args={"vllm_evict": c} if c else None)
                   for c in CASES]
