@@ -112,6 +112,7 @@ def _keep_reports(add):
     (`RequestOutputCollector` in DELTA mode: `RequestOutput.add` with aggregate=True). The merge extends the
     pending CompletionOutput and drops the newer object, and with it the report on the final output; carry
     the report over."""
+    @functools.wraps(add)
     def wrapped(self, next_output, aggregate):
         reports = {c.index: getattr(c, EVICTION_ATTR) for c in next_output.outputs
                    if getattr(c, EVICTION_ATTR, None) is not None}
