@@ -14,6 +14,8 @@ SUBCOMMAND_MODULES = (
     "vllm_evict.models",               # prepare-model
     "vllm_evict.testing.tiny_models",  # make-tiny
 )
+# subcommands whose arguments vLLM's own parser reads: name -> (module, function taking the argv)
+PASSTHROUGH = {"serve": ("vllm_evict.server.cli", "serve"), "bench": ("vllm_evict.bench.load", "bench")}
 
 
 def add_passthrough(subparsers, name: str, run, **parser_kwargs) -> None:
@@ -40,14 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:  # every `vllm serve` flag: parsed by vLLM's own parser (server/cli.py)
-        from vllm_evict.server.cli import serve
-
-        return serve(argv[1:])
-    if argv[:1] == ["bench"]:  # every `vllm bench serve` flag: vLLM's own parser (bench/load.py)
-        from vllm_evict.bench.load import bench
-
-        return bench(argv[1:])
+    if argv[:1] and argv[0] in PASSTHROUGH:  # dispatched before argparse, which cannot pass vLLM's flags on
+        module, function = PASSTHROUGH[argv[0]]
+        return getattr(importlib.import_module(module), function)(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
