@@ -130,6 +130,8 @@ def engine_profile(args, out_dir: Path) -> None:
     ev = {"policy": args.policy, "budget": budget, "allocation": args.allocation}
     if args.prefill_only:
         return prefill_profile(args, engine, add, table, ev, out_dir)
+    if args.decode_budget:
+        return decode_eviction_profile(args, engine, sched, timers, table, out_dir)
     variants = [("evicted", ev, args.prompt_len)] if args.evicted_only else \
         [("plain", None, args.kv_len), ("evicted", ev, args.prompt_len)]
     for label, eviction, n in variants:
@@ -208,6 +210,57 @@ def timeline(trace_path: Path) -> dict:
     return {"kernel_ms": round(busy / 1e3, 1), "gpu_span_ms": round(wall / 1e3, 1), "compaction": rows}
 
 
+def decode_eviction_profile(args, engine, sched, timers, table, out_dir):
+    """Decode-time eviction (issue 34): B requests of --prompt-len tokens with a decode budget of --kv-len
+    tokens per head (every --decode-every tokens), against B plain requests whose prompts hold about the
+    same KV (--kv-len + half a compaction interval). Per variant: host time per phase and the step-time
+    distribution over two compaction intervals, then a profile of one interval (its compaction step,
+    the steps recording window queries, the plain steps)."""
+    import statistics
+
+    from vllm import SamplingParams
+
+    every = args.decode_every
+    gen = torch.Generator().manual_seed(1)
+    variants = [("plain", None, args.kv_len + every // 2)] + [
+        (f"decode-{policy}", {"policy": policy, "decode_budget": args.kv_len, "decode_every": every}, args.prompt_len)
+        for policy in args.policy.split(",")]
+    for label, eviction, n in variants:
+        for i in range(args.batch):
+            sp = SamplingParams(max_tokens=n + 4 * every, ignore_eos=True, temperature=0,
+                                extra_args={"vllm_evict": eviction} if eviction else None)
+            engine.add_request(f"{label}-{i}", {"prompt_token_ids": torch.randint(3, 1000, (n,), generator=gen).tolist()},
+                               sp)
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running) or sched.waiting:
+            engine.step()
+        for _ in range(every + 8):  # past the first decode compaction (its kernels compiled at start)
+            engine.step()
+        torch.cuda.synchronize()
+        for k in timers:
+            timers[k] = 0.0
+        steps = []
+        for _ in range(2 * every):
+            t0 = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        ms = sorted(s * 1e3 for s in steps)
+        print(json.dumps({"variant": label, "batch": len(sched.running), "steps": len(ms),
+                          "mean_ms": round(statistics.mean(ms), 2), "median_ms": round(statistics.median(ms), 2),
+                          "p90_ms": round(ms[int(0.9 * len(ms))], 2), "max_ms": round(ms[-1], 2),
+                          **{f"{k}_ms_per_step": round(v / len(ms) * 1e3, 2) for k, v in timers.items()}}),
+              flush=True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(every):
+                engine.step()
+            torch.cuda.synchronize()
+        table(prof, f"decode {label}, {every} steps", out_dir / f"profile_{label}.txt")
+        for r in list(sched.running) + list(sched.waiting):
+            engine.abort_request([r.request_id])
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
 def prefill_profile(args, engine, add, table, ev, out_dir):
     """Prefill-only passes (max_tokens=1) of B prompts, plain then evicting, after one warm-up request of
     each kind at the same length (Triton compiles stay out); wall time and profiles of both."""
@@ -254,11 +307,14 @@ def main():
     ap.add_argument("--shared-prefix", action="store_true")
     ap.add_argument("--evicted-only", action="store_true")
     ap.add_argument("--prefill-only", action="store_true", help="profile prefill passes, plain vs evicting")
-    ap.add_argument("--policy", default="dropkv")
+    ap.add_argument("--policy", default="dropkv", help="--decode-budget: several, joined by commas")
     ap.add_argument("--allocation", default="uniform", choices=["uniform", "adakv"])
+    ap.add_argument("--decode-budget", action="store_true",
+                    help="profile decode-time eviction: a decode budget of --kv-len against plain requests")
+    ap.add_argument("--decode-every", type=int, default=128)
     args = ap.parse_args()
     out_dir = Path(args.out_dir)
-    if not args.prefill_only:
+    if not (args.prefill_only or args.decode_budget):
         print(attention_alone(args.batch, args.kv_len), flush=True)
     engine_profile(args, out_dir)
 
