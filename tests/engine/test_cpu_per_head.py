@@ -109,6 +109,64 @@ def test_all_layers_at_once_equal_layer_by_layer(monkeypatch, policy, allocation
             assert any(len(set(c.tolist())) > 1 for _, c, _ in expected)  # the allocation is uneven
 
 
+@pytest.mark.parametrize("policy, allocation", [("dropkv", "uniform"), ("snapkv", "adakv"), ("keydiff", "uniform"),
+                                                ("h2o", "adakv")])
+def test_requests_compacted_together_equal_each_alone(monkeypatch, policy, allocation):
+    """compact_requests folds the requests of one batch key into the head axis next to the layers: every
+    request's pages and layout equal compacting it alone, with all requests in one group and with one
+    layer of one request per group."""
+    torch.manual_seed(5)
+    E, P, num_layers, R = 150, 3, 2, 3
+    config = EvictionConfig.from_dict({"policy": policy, "budget": P * N, "allocation": allocation})
+    prompt_blocks = [torch.arange(10 * r, 10 * r + 10, dtype=torch.int32).flip(0) for r in range(R)]
+    fresh = [torch.arange(40 + P * r, 40 + P * r + P) for r in range(R)]
+    keys, values = torch.randn(R, num_layers, E, H, D), torch.randn(R, num_layers, E, H, D)
+    keys[:, :, :, 1] *= 6  # head 1 attends sharply, head 0 flatly: Ada-KV gives them different pages
+    keys[:, :, : E // 2, 1, 0] += 12
+    q_window = [{i: torch.randn(config.window_size(), 2 * H, D) for i in range(num_layers)} for _ in range(R)]
+
+    def run(batches):
+        layers = [make_cache() for _ in range(num_layers)]
+        for i, (kv, _) in enumerate(layers):
+            for r in range(R):
+                write_standard(kv, keys[r, i], values[r, i], prompt_blocks[r])
+        states = [WorkerEviction.for_prompt(f"r{r}", RequestEviction(config), E, N, q_window=dict(q_window[r]))
+                  for r in range(R)]
+        for batch in batches:
+            compaction.compact_requests([(states[r], prompt_blocks[r], fresh[r]) for r in batch],
+                                        [(i, cache) for i, (_, cache) in enumerate(layers)], 0.125)
+        return [kv for kv, _ in layers], states
+
+    alone, alone_states = run([[r] for r in range(R)])
+    per_layer = 2 * E * H * D * 4
+    for group_bytes in (R * num_layers * per_layer, per_layer):
+        monkeypatch.setattr(compaction, "GROUP_BYTES", group_bytes)
+        together, states = run([list(range(R))])
+        for i in range(num_layers):
+            assert torch.equal(together[i], alone[i]), (group_bytes, i)
+            for state, expected in zip(states, alone_states):
+                assert torch.equal(state.layers[i].page_counts, expected.layers[i].page_counts)
+                assert torch.equal(state.layers[i].kept, expected.layers[i].kept)
+    if allocation == "adakv":  # the allocation is uneven, and differs between requests or layers
+        counts = [tuple(s.layers[i].page_counts.tolist()) for s in alone_states for i in range(num_layers)]
+        assert any(len(set(c)) > 1 for c in counts)
+
+
+def test_compaction_batches_group_equal_keys_within_group_bytes(monkeypatch):
+    """Requests batch with the requests of equal batch key, up to GROUP_BYTES with all layers; a policy that
+    reads token positions (random) compacts alone."""
+    def state(policy, prompt_len, budget=64):
+        config = EvictionConfig.from_dict({"policy": policy, "budget": budget})
+        return WorkerEviction.for_prompt(policy, RequestEviction(config), prompt_len, N)
+
+    per_request = 2 * 200 * 4 * H * D * 4  # held 200 tokens, 4 layers, float32
+    monkeypatch.setattr(compaction, "GROUP_BYTES", 2 * per_request)
+    a1, b1, a2, a3, c1, r1, r2 = (state("dropkv", 200), state("snapkv", 200), state("dropkv", 200), state("dropkv", 200),
+                                  state("dropkv", 208), state("random", 200), state("random", 200))
+    batches = compaction.compaction_batches([a1, b1, a2, a3, c1, r1, r2], 4, H, D, 4)
+    assert batches == [[a1, a2], [b1], [a3], [c1], [r1], [r2]]
+
+
 def explicit_attention(q, keys, values, scale):
     logits = torch.einsum("gd,ld->gl", q, keys) * scale
     return logits.softmax(-1) @ values

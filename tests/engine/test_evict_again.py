@@ -217,3 +217,32 @@ def test_n_and_stop_tokens_with_a_decode_budget(engine, reference):
         assert list(seq.token_ids) == expected.token_ids[:end]
     assert out.kv_transfer_params["vllm_evict"]["decode_compactions"] >= (end - 1) // 32 >= 3
     assert pool.get_num_free_blocks() == idle_free
+
+
+def test_requests_at_one_point_compact_together(engine, reference, monkeypatch):
+    """Requests of one policy and prompt length reach their points in the same step and compact in one batch
+    (compaction.compact_requests folds them into the head axis): each still equals the reference's replay of
+    its own prompt, one-shot Ada-KV and decode-time eviction alike."""
+    from vllm_evict.engine import worker
+
+    compact, batches = worker.compact_requests, []
+
+    def recording(requests, *args, **kwargs):
+        batches.append((requests[0][0].point.decode, len(requests)))
+        return compact(requests, *args, **kwargs)
+
+    monkeypatch.setattr(worker, "compact_requests", recording)
+    prompts = [random_prompt(300 + i, 72) for i in range(3)]  # 3 prompts fill one 256-token prefill step
+    requests = [(prompt, case) for case in ({"policy": "snapkv", "budget": 48, "allocation": "adakv"},
+                                            {"policy": "dropkv", **DECODE}) for prompt in prompts]
+    outputs = engine.generate([{"prompt_token_ids": prompt} for prompt, _ in requests],
+                              [params(case, MAX_TOKENS) for _, case in requests])
+    tie_decided = []
+    for (prompt, case), out in zip(requests, outputs):
+        expected = reference.replay(prompt, MAX_TOKENS, spec_of(case), page_size=PAGE)
+        if expected.near_ties and list(out.outputs[0].token_ids) != expected.token_ids:
+            tie_decided.append(case)  # SPEC §7.3
+            continue
+        check_against_reference(out, expected, f"{case} on prompt {prompts.index(prompt)}")
+    assert len(tie_decided) <= 1, tie_decided
+    assert (False, 3) in batches and batches.count((True, 3)) >= 3, batches  # one-shot, and every decode point

@@ -1,14 +1,17 @@
 """Platform-independent part of the eviction attention backends.
 
 Stock behaviour unless the step's plan says otherwise:
-- window capture: copy the query rows of the last w prompt positions of evicting requests;
+- window capture: copy the query rows of the last w positions before each point of evicting requests;
 - per-head path (batch holds Ada-KV-compacted requests): every request row becomes H_kv virtual
   sequences with their own page tables (see per_head.py) - KV write and attention both go through it.
   Uniform decode steps run it inside FULL CUDA graphs of their own (worker.PerHeadDecodeBatch), with
-  tables computed on device from persistent buffers; other steps build the tables eagerly;
+  tables computed on device from persistent buffers; other steps build the tables eagerly. Decode steps
+  that capture window queries or compact replay the same graphs: they stage every layer's queries in a
+  persistent buffer, which the worker copies from after the forward;
   uniformly compacted requests need nothing here (the worker shifted their lengths and slots);
-- compaction: a step in which requests reach their eviction point records each layer's cache adapter;
-  worker.py compacts all layers at once after the model forward (compaction.py).
+- compaction: worker.py compacts all layers at once after the model forward of a step in which requests
+  reach their eviction point (compaction.py), reading the layers' caches itself, so the attention call
+  has nothing to do for it.
 Subclasses provide the cache adapter and the two kernel calls.
 """
 
@@ -90,9 +93,6 @@ class EvictionAttentionMixin:
                 self._per_head_forward(layer_idx, query, key, value, cache, attn_metadata, output, plan)
         else:
             self._stock_attention(layer, query, key, value, kv_cache, attn_metadata, output)
-        if plan.compacting and self.kv_sharing_target_layer_name is None:
-            plan.layer_caches.append((layer_idx, cache))
-            plan.scale = self.scale
         return output
 
     def _cached_paged_cache(self, layer, kv_cache):

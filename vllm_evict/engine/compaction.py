@@ -163,61 +163,103 @@ def layer_groups(layers: list, prompt_len: int, num_heads: int, head_dim: int, i
     return [layers[i: i + size] for i in range(0, len(layers), size)]
 
 
+def batch_key(state) -> tuple | None:
+    """Requests whose keys are equal (not None) at their next point can be compacted together
+    (compact_requests): same policy and options, same point geometry. None: compacted alone (the policies
+    that read where tokens sit, Ada-KV under TP's deferred layout, the kept-set dumps)."""
+    point, config = state.point, state.spec.config
+    if POLICIES[config.policy].needs_context or state.deferred or DUMP_DIR:
+        return None
+    return (config, point.held, point.fixed, point.kept, point.pages, point.window, point.sink, point.in_place,
+            None if point.in_place else state.blocks)
+
+
+def compaction_batches(states: list, num_layers: int, num_heads: int, head_dim: int, itemsize: int) -> list[list]:
+    """The requests of one step, in batches for compact_requests: equal batch keys, at most as many as fit
+    GROUP_BYTES with all their layers (a request too large for that is a batch of its own)."""
+    batches, open_batches = [], {}
+    for state in states:
+        key = batch_key(state)
+        per_request = 2 * state.point.held * num_layers * num_heads * head_dim * itemsize
+        batch = open_batches.get(key) if key is not None else None
+        if batch is None or (len(batch) + 1) * per_request > GROUP_BYTES:
+            batch = []
+            batches.append(batch)
+            if key is not None:
+                open_batches[key] = batch
+        batch.append(state)
+    return batches
+
+
 def compact_request(state, layers: list[tuple[int, object]], scale: float, prompt_blocks: torch.Tensor,
                     fresh_blocks: torch.Tensor, heads: KVHeadGroup = KVHeadGroup()) -> torch.Tensor | None:
-    """Score, select and move the tokens one request holds at its next compaction point (request_config.Point:
-    its prompt up to E, or, evicting again, its kept pages and the tokens since) into their blocks, in every
-    layer.
+    """compact_requests for one request."""
+    return compact_requests([(state, prompt_blocks, fresh_blocks)], layers, scale, heads)
 
-    layers: (layer index, paged cache adapter) in layer order; `state` is the worker's WorkerEviction;
-    prompt_blocks / fresh_blocks: the blocks read / written, on the cache's device. The written blocks may
-    be the first read ones (compaction in place): each group is gathered whole before it is written.
-    heads: this rank's KV heads among the layer's (tensor parallelism).
-    Fills state.layers. Returns, for Ada-KV under TP, the fresh blocks F' <= F that the fullest rank fills
-    (a device scalar): the layout spans those, and the other F - F' are never written; else None."""
-    point, config, cache = state.point, state.spec.config, layers[0][1]
-    held, fixed = point.held, point.fixed
-    groups = layer_groups(layers, held, cache.num_heads, cache.head_dim, cache.dtype.itemsize)
+
+def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], scale: float,
+                     heads: KVHeadGroup = KVHeadGroup()) -> torch.Tensor | None:
+    """Score, select and move the tokens each request holds at its next compaction point (request_config.Point:
+    its prompt up to E, or, evicting again, its kept pages and the tokens since) into their blocks, in every
+    layer. Several requests (one batch_key) fold into the head axis next to the layers, so one scoring call,
+    one selection and one slot computation serve all of them.
+
+    requests: (state, prompt_blocks, fresh_blocks) each: the worker's WorkerEviction and the blocks read /
+    written, on the cache's device; the written blocks may be the first read ones (compaction in place):
+    each group is gathered whole before it is written. layers: (layer index, paged cache adapter) in layer
+    order. heads: this rank's KV heads among the layer's (tensor parallelism).
+    Fills each state.layers. Returns, for Ada-KV under TP (one request), the fresh blocks F' <= F that the
+    fullest rank fills (a device scalar): the layout spans those, and the other F - F' are never written;
+    else None."""
+    state, cache = requests[0][0], layers[0][1]
+    point, config = state.point, state.spec.config
+    held, fixed, R = point.held, point.fixed, len(requests)
+    assert R == 1 or len({batch_key(s) for s, _, _ in requests} - {None}) == 1, "requests of one batch key"
+    groups = layer_groups(layers, held * R, cache.num_heads, cache.head_dim, cache.dtype.itemsize)
     options = {**config.score_options(), "window": point.window, "sink": point.sink}
     # Ada-KV under TP: the layout spans the blocks of the fullest rank over all layers, known once every
     # layer is selected, so the groups are written after that (gathered again, all but the last).
-    deferred = not point.in_place and state.blocks > state.pages
+    deferred = state.deferred
     selected, used = [], None
     for group in groups:
-        keys, values = _gather(cache, group, prompt_blocks, held)
+        keys, values = _gather(cache, group, [blocks for _, blocks, _ in requests], held)
         G, H, D = len(group), cache.num_heads, cache.head_dim
         q_window = None
         if state.window:
-            q_window = torch.stack([state.q_window[index] for index, _ in group], dim=1).flatten(1, 2)
+            q_window = torch.stack([s.q_window[index] for s, _, _ in requests for index, _ in group],
+                                   dim=1).flatten(1, 2)
         context = positions = None
-        if POLICIES[config.policy].needs_context:
+        if POLICIES[config.policy].needs_context:  # one request (batch_key)
             positions = _held_positions(state, point, group, H, keys.device)
             context = _token_context(state, point, positions, group, heads)
         n = held - fixed  # the candidates: every held token, or under protect_prompt the generated ones
-        keep, counts = select_group(config, q_window, keys[fixed:].view(n, G * H, D), values[fixed:].view(n, G * H, D),
-                                    scale, state.page_size, point.pages, num_layers=G, heads=heads, options=options,
+        flat = (n, R * G * H, D)
+        keep, counts = select_group(config, q_window, keys[fixed:].view(flat), values[fixed:].view(flat), scale,
+                                    state.page_size, point.pages, num_layers=R * G, heads=heads, options=options,
                                     context=context)
-        keep, counts = keep.view(G, H, n), counts.view(G, H)
+        keep, counts = keep.view(R, G, H, n), counts.view(R, G, H)
         if fixed:
-            keep = torch.cat([keep.new_ones(G, H, fixed), keep], dim=-1)
+            keep = torch.cat([keep.new_ones(R, G, H, fixed), keep], dim=-1)
         if config.allocation == "uniform":  # every head keeps point.kept tokens, in stock layout
             counts = torch.full_like(counts, -(-point.kept // state.page_size))
         if positions is not None and config.allocation == "uniform":  # read again at the next point
             for i, (index, _) in enumerate(group):
-                state.positions[index] = positions[i][keep[i]].view(H, -1)
+                state.positions[index] = positions[i][keep[0, i]].view(H, -1)
             state.positions_at = point.at
         if not deferred:
-            _write_group(state, group, keys, values, keep, counts, fresh_blocks)
+            for r, (each, _, fresh_blocks) in enumerate(requests):
+                _write_group(each, group, keys[:, r], values[:, r], keep[r], counts[r], fresh_blocks)
             continue
-        fullest = heads.all_heads(counts.sum(dim=1, keepdim=True)).amax()  # pages of the fullest rank's layer
+        fullest = heads.all_heads(counts[0].sum(dim=1, keepdim=True)).amax()  # pages of the fullest rank's layer
         used = fullest if used is None else torch.maximum(used, fullest)
-        selected.append((group, keep, counts))
+        selected.append((group, keep[0], counts[0]))
     if deferred:
+        (_, prompt_blocks, fresh_blocks), = requests
         used = (used + cache.num_heads - 1) // cache.num_heads
         for i, (group, keep, counts) in enumerate(selected):
             if i < len(selected) - 1:  # the last group's K/V are still gathered
-                keys, values = _gather(cache, group, prompt_blocks, held)
-            _write_group(state, group, keys, values, keep, counts, fresh_blocks, used)
+                keys, values = _gather(cache, group, [prompt_blocks], held)
+            _write_group(state, group, keys[:, 0], values[:, 0], keep, counts, fresh_blocks, used)
     return used
 
 
@@ -241,11 +283,14 @@ def _token_context(state, point, positions: torch.Tensor, group: list, heads: KV
                         compaction=point.index, seed=state.spec.config.seed or 0)
 
 
-def _gather(cache, group: list, prompt_blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """keys, values [n, G, H, D] of a layer group's first n held tokens."""
-    keys = torch.empty(n, len(group), cache.num_heads, cache.head_dim, dtype=cache.dtype, device=cache.device)
+def _gather(cache, group: list, blocks: list[torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys, values [n, R, G, H, D] of the first n held tokens of R requests (their blocks) in a layer group."""
+    keys = torch.empty(n, len(blocks), len(group), cache.num_heads, cache.head_dim, dtype=cache.dtype,
+                       device=cache.device)
     values = torch.empty_like(keys)
-    cache.gather_layers([layer_cache for _, layer_cache in group], prompt_blocks, n, keys, values)
+    caches = [layer_cache for _, layer_cache in group]
+    for r, request_blocks in enumerate(blocks):
+        cache.gather_layers(caches, request_blocks, n, keys[:, r], values[:, r])
     return keys, values
 
 

@@ -91,8 +91,11 @@ class EvictFlashAttentionImpl(EvictionAttentionMixin, FlashAttentionImpl):
         # Split the KV of each virtual sequence only while there are few of them (FA3's own threshold for
         # dynamic splits); beyond that the sequences alone fill the GPU.
         num_splits = md.max_num_splits if n * H <= 992 else 1
-        # q is a strided view of the fused QKV projection: one copy; the output is written in place.
-        self._per_head_attention(query[:n].reshape(n * H, g, D), cache, tables.query_start[: n * H + 1], lens, pages,
+        # q is a strided view of the fused QKV projection: one copy, into the staged queries (window capture,
+        # worker.py); the output is written in place.
+        q = tables.queries[layer_idx, :n]
+        q.copy_(query[:n])
+        self._per_head_attention(q.view(n * H, g, D), cache, tables.query_start[: n * H + 1], lens, pages,
                                  1, md.max_seq_len, output[:n].view(n * H, g, D), num_splits=num_splits)
 
 
@@ -108,17 +111,20 @@ class EvictFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
         if self.use_full_cuda_graph and vllm_config.num_speculative_tokens == 0:
             from vllm.model_executor.models.utils import extract_layer_index
 
-            page = kv_cache_spec.block_size
+            page, model = kv_cache_spec.block_size, vllm_config.model_config
             self.per_head_decode = DecodeGraphTables(
                 num_layers=max(extract_layer_index(name) for name in layer_names) + 1,
-                max_rows=vllm_config.scheduler_config.max_num_seqs, num_heads=kv_cache_spec.num_kv_heads,
-                max_pages=-(-vllm_config.model_config.max_model_len // page) + 1, page_size=page, device=device)
+                max_rows=min(vllm_config.scheduler_config.max_num_seqs,
+                             vllm_config.compilation_config.max_cudagraph_capture_size),
+                num_heads=kv_cache_spec.num_kv_heads, max_pages=-(-model.max_model_len // page) + 1,
+                page_size=page, device=device, num_q_heads=model.get_num_attention_heads(vllm_config.parallel_config),
+                head_dim=kv_cache_spec.head_size, dtype=model.dtype)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
         md.per_head_decode = self.per_head_decode
         plan = STATE.plan
-        if self.per_head_decode is not None and plan is not None and plan.per_head:
+        if self.per_head_decode is not None and plan is not None:  # the step may replay a per-head graph
             self.per_head_decode.load(plan)
         return md
 

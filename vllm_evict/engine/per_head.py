@@ -192,12 +192,16 @@ class DecodeGraphTables:
     - per-row inputs fresh [R] and counts / kept [L, R, H] (int32), zero for rows without per-head
       pages, rewritten by `load` only when the batch's per-head rows change (new requests, or rows moved);
     - per-layer outputs (pages, lens, token slots), recomputed on device inside the graph by one kernel
-      per layer from vLLM's block table and (worker-shifted) seq_lens.
+      per layer from vLLM's block table and (worker-shifted) seq_lens;
+    - every layer's queries [L, R, Hq, D] (`queries`): the attention call copies its strided query there,
+      the contiguous copy FlashAttention needs anyway, so the worker can record window queries after a
+      graph replay (worker.WindowStore.capture_all).
     """
 
     def __init__(self, num_layers: int, max_rows: int, num_heads: int, max_pages: int, page_size: int,
-                 device: torch.device):
+                 device: torch.device, num_q_heads: int, head_dim: int, dtype: torch.dtype):
         self.num_heads, self.max_pages, self.page_size = num_heads, max_pages, page_size
+        self.queries = torch.empty(num_layers, max_rows, num_q_heads, head_dim, dtype=dtype, device=device)
         zeros = dict(dtype=torch.int32, device=device)
         self.fresh = torch.zeros(max_rows, **zeros)
         self.counts = torch.zeros(num_layers, max_rows, num_heads, **zeros)
@@ -214,21 +218,24 @@ class DecodeGraphTables:
         return self.fresh.shape[0]
 
     def load(self, plan) -> None:
-        """Per-row inputs of the step's per-head rows; host work only when those rows changed."""
+        """Per-row inputs of the step's per-head rows (none: every row in stock layout); host work only when
+        those rows changed."""
         key = tuple((r, plan.states[r].serial) for r in plan.per_head_rows)
         if key == self.rows_key or plan.num_reqs > self.max_rows:
+            return
+        for buffer in (self.fresh, self.counts, self.kept):
+            buffer.zero_()
+        self.rows_key = key
+        if not key:
             return
         device = self.fresh.device
         counts, kept = stacked_rows(plan, device)                       # [L, H, Rc] int64
         rows = host_to_device(plan.per_head_rows, device)
-        for buffer in (self.fresh, self.counts, self.kept):
-            buffer.zero_()
         self.fresh.index_copy_(0, rows, host_to_device([plan.states[r].blocks for r in plan.per_head_rows],
                                                        device).to(torch.int32))
         num_layers = counts.shape[0]
         self.counts[:num_layers].index_copy_(1, rows, counts.transpose(1, 2).to(torch.int32))
         self.kept[:num_layers].index_copy_(1, rows, kept.transpose(1, 2).to(torch.int32))
-        self.rows_key = key
 
     def layer(self, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor):
         """(pages [R*H, max_pages], lens [R*H], slots [R*H]) of one layer for the R rows of seq_lens."""

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 import torch
 from vllm.forward_context import BatchDescriptor, get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
+from vllm.model_executor.models.utils import extract_layer_index
 
-from vllm_evict.engine.compaction import KVHeadGroup, LayerCompaction, compact_request
+from vllm_evict.engine.compaction import KVHeadGroup, LayerCompaction, compact_requests, compaction_batches
 from vllm_evict.engine.request_config import (PLAN_KEY, CompactionSchedule, FollowsSchedule, RequestEviction,
                                               parse_request)
 
@@ -33,14 +34,16 @@ logger = init_logger(__name__)
 
 
 class WindowStore:
-    """The window queries of every evicting request, one tensor per layer [rows, Hq, D]: a request owns the
-    rows [offset, offset + w) (row i: the query of position `point - w + i` of its next point). A step's
-    captures are one gather and one scatter per layer (`capture`), whatever the number of requests.
-    Rows are handed out per window size and reused once a request is gone; the tensors grow (with their
+    """The window queries of every evicting request, one tensor [L, rows, Hq, D] for all layers: a request
+    owns the rows [offset, offset + w) (row i: the query of position `point - w + i` of its next point). A
+    step's captures are one gather and one scatter per layer (`capture`, from the attention call), or for all
+    layers at once (`capture_all`, from the queries a FULL decode graph staged), whatever the number of
+    requests. Rows are handed out per window size and reused once a request is gone; the tensor grows (its
     rows copied) when a new request needs more."""
 
     def __init__(self) -> None:
-        self.layers: dict[int, torch.Tensor] = {}
+        self.rows: torch.Tensor | None = None
+        self.num_layers = 0                      # set from the model's attention layers (build_plan)
         self.capacity = 0
         self.free: dict[int, list[int]] = {}  # window size -> free offsets
 
@@ -54,27 +57,31 @@ class WindowStore:
     def release(self, offset: int, size: int) -> None:
         self.free.setdefault(size, []).append(offset)
 
-    def tensor(self, layer: int, like: torch.Tensor) -> torch.Tensor:
-        """The layer's rows, grown to the current capacity (a query of this step gives dtype and shape)."""
-        rows = self.layers.get(layer)
-        if rows is None or rows.shape[0] < self.capacity:
-            grown = like.new_empty(self.capacity, *like.shape[1:])
+    def tensor(self, like: torch.Tensor) -> torch.Tensor:
+        """All rows, grown to the current capacity (a query [T, Hq, D] of this step gives dtype and shape)."""
+        rows = self.rows
+        if rows is None or rows.shape[1] < self.capacity:
+            grown = like.new_empty(self.num_layers, self.capacity, *like.shape[1:])
             if rows is not None:
-                grown[: rows.shape[0]] = rows
-            rows = self.layers[layer] = grown
+                grown[:, : rows.shape[1]] = rows
+            rows = self.rows = grown
         return rows
 
     def capture(self, layer: int, query: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> None:
-        """Copy the queries of batch tokens `tokens` into `rows` (device int64 tensors of one step)."""
-        self.tensor(layer, query).index_copy_(0, rows, query.index_select(0, tokens))
+        """Copy one layer's queries [T, Hq, D] of batch tokens `tokens` into `rows` (device int64 tensors)."""
+        self.tensor(query)[layer].index_copy_(0, rows, query.index_select(0, tokens))
+
+    def capture_all(self, queries: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> None:
+        """The same for every layer at once, from staged queries [L, T, Hq, D]."""
+        self.tensor(queries[0])[: queries.shape[0]].index_copy_(1, rows, queries.index_select(1, tokens))
 
     def window(self, layer: int, offset: int, size: int) -> torch.Tensor:
-        return self.layers[layer][offset: offset + size]
+        return self.rows[layer, offset: offset + size]
 
     def shift(self, offset: int, size: int, step: int) -> None:
         """Rows [offset + step, offset + size) move to [offset, offset + size - step), in every layer."""
-        for rows in self.layers.values():
-            rows[offset: offset + size - step] = rows[offset + step: offset + size].clone()
+        if self.rows is not None:
+            self.rows[:, offset: offset + size - step] = self.rows[:, offset + step: offset + size].clone()
 
 
 @dataclass
@@ -101,6 +108,12 @@ class WorkerEviction(FollowsSchedule):
 
     def __post_init__(self) -> None:
         self.blocks = self.blocks or (self.pages or 0)
+
+    @property
+    def deferred(self) -> bool:
+        """Ada-KV under TP at a one-shot point: its layout spans F' <= F blocks, known once every layer is
+        selected (compaction.py)."""
+        return not self.point.in_place and self.blocks > self.pages
 
     @classmethod
     def for_prompt(cls, req_id: str, spec: RequestEviction, num_prompt_tokens: int, page_size: int,
@@ -165,17 +178,17 @@ class StepPlan:
     row_blocks: list[int] = field(default_factory=list)  # blocks of each row (per-head steps only)
     cache: dict = field(default_factory=dict)  # kept across steps (per_head reuses row stacks)
     tables: object | None = None             # per_head.StepTables, built by the first layer
-    layer_caches: list = field(default_factory=list)  # (layer index, paged cache) seen in a compacting step
-    scale: float = 1.0                       # the attention softmax scale (compacting steps)
 
     @property
     def per_head(self) -> bool:
         return bool(self.per_head_rows)
 
     @property
-    def needs_eager_attention(self) -> bool:
-        """Window capture and compaction run in the attention call: no FULL graph."""
-        return bool(self.captures or self.compacting)
+    def needs_per_head_graph(self) -> bool:
+        """A decode step of this plan replays a per-head FULL graph, not vLLM's: one with per-head rows, or one
+        that records window queries (the per-head graph stages every layer's queries) or compacts (after the
+        forward, from the staged queries)."""
+        return bool(self.per_head_rows or self.captures or self.compacting)
 
 
 class PerHeadDecodeBatch(BatchDescriptor):
@@ -204,6 +217,7 @@ class WorkerEvictionState:
         self.capturing_per_head = False          # capturing a PerHeadDecodeBatch graph
         self.heads: KVHeadGroup | None = None    # this rank's KV heads (set by the first plan)
         self.windows = WindowStore()             # every request's window queries
+        self.layers: tuple[list, float] | None = None  # attention_layers (set by the first plan)
 
     def attach_report(self, output):
         """Send compaction latencies, failures and trimmed fresh blocks to the scheduler on a
@@ -285,6 +299,7 @@ class WorkerEvictionState:
         """The step's plan, in O(number of evicting requests); None (stock step) when there are none."""
         if self.heads is None:
             self.heads = kv_head_group(runner)
+            self.attention_layers(runner)
         for req_id in self.arrived:
             state = self._new_state(runner, req_id)
             if state is not None:
@@ -376,30 +391,52 @@ class WorkerEvictionState:
             state.failed = True
             self.failed[state.req_id] = "a prefill chunk passed its eviction point"
 
-    def compact(self) -> None:
-        """After the forward: compact every request whose chunk ended at its eviction point, all layers
-        at once (one timed span per request)."""
+    def after_forward(self, runner) -> None:
+        """After the model forward: record the window queries a per-head FULL graph staged (an eager
+        attention call recorded its own), then compact the requests that reached their point."""
         plan = self.plan
-        if plan is None or not plan.compacting or not plan.layer_caches:
+        if plan is None:
             return
-        layers = sorted(plan.layer_caches, key=lambda item: item[0])
-        device = layers[0][1].device
-        for row in plan.compacting:
-            state = plan.states[row]
-            if state.window:
-                state.q_window = {index: self.windows.window(index, state.window_offset, state.window)
-                                  for index, _ in layers}
-            started = self.latency.start(device)
+        if plan.capture_tokens is not None and per_head_graph_step():
+            self.windows.capture_all(staged_queries(), plan.capture_tokens, plan.capture_rows)
+        if plan.compacting:
+            self.compact(runner, plan)
+
+    def compact(self, runner, plan: StepPlan) -> None:
+        """Compact every request whose chunk ended at its point, all layers at once, requests of one batch
+        key together (one timed span per batch, shared among its requests)."""
+        layers, scale = self.attention_layers(runner)
+        cache = layers[0][1]
+        states = [plan.states[row] for row in plan.compacting]
+        for batch in compaction_batches(states, len(layers), cache.num_heads, cache.head_dim, cache.dtype.itemsize):
+            for state in batch:
+                if state.window:
+                    state.q_window = {index: self.windows.window(index, state.window_offset, state.window)
+                                      for index, _ in layers}
+            started = self.latency.start(cache.device)
             try:
                 with torch.profiler.record_function("vllm_evict.compact"):  # a named range in torch profiles
-                    used = compact_one(state, layers, plan.scale, self.heads)
+                    used = compact_one(batch, layers, scale, self.heads)
                 if used is not None:
-                    state.used_blocks = HostCopy(used)
-            except Exception as exc:  # one request's failure must not take the batch or the engine down
-                logger.exception("vllm-evict: compaction of request %s failed", state.req_id)
-                state.failed = True
-                self.failed[state.req_id] = f"{type(exc).__name__}: {exc}"
-            self.latency.stop(state.req_id, started)
+                    batch[0].used_blocks = HostCopy(used)
+            except Exception as exc:  # one batch's failure must not take the others or the engine down
+                logger.exception("vllm-evict: compaction of requests %s failed", [s.req_id for s in batch])
+                for state in batch:
+                    state.failed = True
+                    self.failed[state.req_id] = f"{type(exc).__name__}: {exc}"
+            self.latency.stop([state.req_id for state in batch], started)
+
+    def attention_layers(self, runner) -> tuple[list, float]:
+        """(layer index, paged cache adapter) of every attention layer that writes its own KV cache, in layer
+        order, and their softmax scale: read once off the model's layers (the caches never move)."""
+        if self.layers is None:
+            modules = runner.vllm_config.compilation_config.static_forward_context.values()
+            impls = [m for m in modules if hasattr(getattr(m, "impl", None), "_cached_paged_cache")
+                     and m.impl.kv_sharing_target_layer_name is None]
+            self.layers = (sorted(((extract_layer_index(m.layer_name), m.impl._cached_paged_cache(m, m.kv_cache))
+                                   for m in impls), key=lambda item: item[0]), impls[0].impl.scale)
+            self.windows.num_layers = self.layers[0][-1][0] + 1
+        return self.layers
 
     def end_step(self) -> None:
         self.plan = None
@@ -428,14 +465,24 @@ def shift_positions(runner, plan: StepPlan) -> None:
                                                         positions)
 
 
-def compact_one(state: WorkerEviction, layers: list, scale: float,
+def compact_one(states: list[WorkerEviction], layers: list, scale: float,
                 heads: KVHeadGroup = KVHeadGroup()) -> torch.Tensor | None:
-    """compact_request with the request's block ids on the cache's device (pinned copies, no sync)."""
+    """compact_requests with the requests' block ids on the cache's device (one pinned copy, no sync)."""
     from vllm_evict.engine.per_head import host_to_device
 
-    device = layers[0][1].device
-    return compact_request(state, layers, scale, host_to_device(state.prompt_block_ids, device),
-                           host_to_device(state.fresh_blocks, device), heads)
+    ids = host_to_device([b for s in states for b in (*s.prompt_block_ids, *s.fresh_blocks)], layers[0][1].device)
+    requests, start = [], 0
+    for state in states:
+        read, written = len(state.prompt_block_ids), len(state.fresh_blocks)
+        requests.append((state, ids[start: start + read], ids[start + read: start + read + written]))
+        start += read + written
+    return compact_requests(requests, layers, scale, heads)
+
+
+def staged_queries() -> torch.Tensor:
+    """Every layer's queries [L, rows, Hq, D] of the per-head FULL decode graph that just ran."""
+    metadata = get_forward_context().attn_metadata
+    return next(md.per_head_decode.queries for md in metadata.values() if getattr(md, "per_head_decode", None))
 
 
 class HostCopy:
@@ -508,7 +555,7 @@ def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: in
             if window:
                 state.q_window = {i: torch.randn(window, num_q_heads, head_dim, generator=gen, device=device)
                                   .to(dtype) for i, _ in layers}
-            compact_one(state, layers, head_dim ** -0.5)
+            compact_one([state], layers, head_dim ** -0.5)
             states.append(state)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -529,20 +576,24 @@ class CompactionTimer:
         event.record()
         return event
 
-    def stop(self, req_id: str, started) -> None:
+    def stop(self, req_ids: list[str], started) -> None:
+        """End the span of a batch of requests compacted together: each is charged an equal share."""
+        share = 1 / len(req_ids)
         if isinstance(started, float):
-            self.pending.setdefault(req_id, []).append((time.perf_counter() - started) * 1e3)
-            return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self.pending.setdefault(req_id, []).append((started, end))
+            span = (time.perf_counter() - started) * 1e3 * share
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            span = (started, end, share)
+        for req_id in req_ids:
+            self.pending.setdefault(req_id, []).append(span)
 
     def collect(self) -> dict[str, float]:
         """Milliseconds per request whose events all completed; the others stay pending."""
         done: dict[str, float] = {}
         for req_id, spans in list(self.pending.items()):
             if all(isinstance(s, float) or s[1].query() for s in spans):
-                done[req_id] = sum(s if isinstance(s, float) else s[0].elapsed_time(s[1]) for s in spans)
+                done[req_id] = sum(s if isinstance(s, float) else s[0].elapsed_time(s[1]) * s[2] for s in spans)
                 del self.pending[req_id]
         return done
 
@@ -585,7 +636,7 @@ def install_runner_hooks() -> None:
 
     def _model_forward(self, *args, **kwargs):
         output = orig_model_forward(self, *args, **kwargs)
-        STATE.compact()
+        STATE.after_forward(self)
         return output
 
     def execute_model(self, *args, **kwargs):
@@ -607,13 +658,11 @@ def install_runner_hooks() -> None:
         orig_block_table_init(self, *args, **kwargs)
 
     def dispatch(self, *args, invalid_modes=None, **kwargs):
-        # A step that captures window queries or compacts needs the attention call to run (PIECEWISE or
-        # eager). A step with per-head rows replays a per-head FULL graph if vLLM picked a FULL decode
-        # graph, else runs PIECEWISE or eager too. Every other step keeps vLLM's choice.
+        # A step with per-head rows, window captures or compactions replays a per-head FULL graph if vLLM
+        # picked a FULL decode graph, else runs PIECEWISE or eager (the attention call does the work). Every
+        # other step keeps vLLM's choice.
         plan = STATE.plan
-        per_head = STATE.capturing_per_head or (plan is not None and plan.per_head)
-        if plan is not None and plan.needs_eager_attention:
-            invalid_modes = set(invalid_modes or ()) | {CUDAGraphMode.FULL}
+        per_head = STATE.capturing_per_head or (plan is not None and plan.needs_per_head_graph)
         mode, desc = orig_dispatch(self, *args, invalid_modes=invalid_modes, **kwargs)
         if per_head and mode == CUDAGraphMode.FULL:
             per_head_desc = PerHeadDecodeBatch(**dataclasses.asdict(desc))
