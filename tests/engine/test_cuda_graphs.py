@@ -3,11 +3,12 @@
 One mixed batch: plain requests, uniformly compacted requests (stock attention with shifted lengths
 and slots, replayed inside vLLM's FULL decode graphs) and Ada-KV-compacted ones (per-head attention,
 replayed inside per-head FULL decode graphs), plus a block-wise KeyDiff request (chunked=true) that
-compacts in place every 64 prompt tokens (the CUDA gather / write kernels on overlapping blocks) and two
-decode-budget requests that compact in place every 16 generated tokens. The
-Ada-KV requests stop early, so the decode steps
-first hold per-head rows (per-head graphs), then only stock-layout rows (vLLM's graphs); the test
-records the dispatcher's choices and requires both kinds of FULL step.
+compacts in place every 64 prompt tokens (the CUDA gather / write kernels on overlapping blocks) and three
+decode-budget requests that compact in place every 16 or 32 generated tokens, one of them query-based
+(SnapKV: window queries recorded from the per-head graphs' staged queries). The Ada-KV requests stop
+early, so the decode steps first hold per-head rows (per-head graphs), then only stock-layout rows (vLLM's
+graphs, or per-head graphs for the steps that record queries or compact); the test records the
+dispatcher's choices, requires each kind of FULL step, and requires every decode-only step to be FULL.
 
 The baseline is the same torch.compile'd model without CUDA graphs (cudagraph_mode NONE), so the test
 isolates what graph capture and replay change. Against enforce_eager the compiled model's bf16 keys differ
@@ -34,15 +35,15 @@ CASES = [None, {"policy": "dropkv", "budget": 0.25}, {"policy": "streaming", "bu
          {"policy": "snapkv", "budget": 0.25, "allocation": "adakv"}, None,
          {"policy": "keydiff", "budget": 0.2, "allocation": "adakv"}, {"policy": "snapkv", "budget": 0.2},
          {"policy": "keydiff", "budget": 96, "chunked": True, "chunk_size": 64},  # block-wise, in place
-         # decode-time eviction (SPEC §4.8), key-only policies: no window queries to record, so only their
-         # compaction steps leave FULL graphs (a query-based one records queries in eager steps: issue 34)
+         # decode-time eviction (SPEC §4.8): its window captures and compactions run in per-head FULL graphs
          {"policy": "keydiff", "decode_budget": 64, "decode_every": 16},
-         {"policy": "random", "budget": 0.25, "decode_budget": 48, "decode_every": 32, "protect_prompt": True}]
+         {"policy": "random", "budget": 0.25, "decode_budget": 48, "decode_every": 32, "protect_prompt": True},
+         {"policy": "snapkv", "decode_budget": 64, "decode_every": 32}]
 
 
 def prompts():
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in (300, 700, 650, 720, 500, 610, 900, 800, 400, 350)]
+    return [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in (300, 700, 650, 720, 500, 610, 900, 800, 400, 350, 380)]
 
 
 def generate(model, **engine_overrides):
@@ -54,7 +55,9 @@ def generate(model, **engine_overrides):
     from vllm_evict.engine.worker import STATE, PerHeadDecodeBatch
     from vllm_evict.testing.engines import make_llm
 
-    modes = []  # (mode, plan has compacted rows, plan has per-head rows, per-head graph) of every real step
+    # (mode, plan has compacted rows, per-head rows, per-head graph, decode only, records queries or compacts)
+    # of every real step
+    modes = []
     # Recorded where the runner receives the dispatcher's final answer (after the plugin's hooks).
     hooked = GPUModelRunner._determine_batch_execution_and_padding
 
@@ -63,7 +66,9 @@ def generate(model, **engine_overrides):
         mode, desc = result[0], result[1]
         plan = STATE.plan
         if plan is not None:
-            modes.append((mode, bool(plan.compacted_rows), plan.per_head, isinstance(desc, PerHeadDecodeBatch)))
+            modes.append((mode, bool(plan.compacted_rows), plan.per_head, isinstance(desc, PerHeadDecodeBatch),
+                          int(self.query_start_loc.np[plan.num_reqs]) == plan.num_reqs,
+                          bool(plan.captures or plan.compacting)))
         return result
 
     GPUModelRunner._determine_batch_execution_and_padding = recording
@@ -80,20 +85,24 @@ def generate(model, **engine_overrides):
         GPUModelRunner._determine_batch_execution_and_padding = hooked
         gc.collect()
         torch.cuda.empty_cache()
-    return outs, [(m == CUDAGraphMode.FULL, c, p, g) for m, c, p, g in modes]
+    return outs, [(mode == CUDAGraphMode.FULL, *rest) for mode, *rest in modes]
 
 
 def test_full_graphs_match_no_graphs(tiny_llama, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # dispatcher runs in this process
     graphs, modes = generate(tiny_llama)
     no_graphs, _ = generate(tiny_llama, compilation_config={"cudagraph_mode": "NONE"})
-    summary = {k: modes.count(k) for k in set(modes)}  # (FULL?, compacted?, per-head rows?, per-head graph?) -> steps
-    assert any(full and compacted and not per_head for full, compacted, per_head, _ in modes), \
+    summary = {k: modes.count(k) for k in set(modes)}  # (FULL?, compacted?, per-head rows?, per-head graph?,
+    #                                                    decode only?, records or compacts?) -> steps
+    assert any(full and compacted and not per_head and not work for full, compacted, per_head, _, _, work in modes), \
         f"no stock FULL graph step with compacted rows: {summary}"
-    assert any(full and per_head and graph for full, _, per_head, graph in modes), \
+    assert any(full and per_head and graph for full, _, per_head, graph, _, _ in modes), \
         f"no per-head FULL graph step: {summary}"
-    assert all(graph == (full and per_head) for full, _, per_head, graph in modes), \
-        f"per-head graph for a step without per-head rows, or a FULL step with per-head rows in a stock graph: {summary}"
+    assert any(full and graph and work and not per_head for full, _, per_head, graph, _, work in modes), \
+        f"no per-head FULL graph step that records window queries or compacts: {summary}"
+    assert all(graph == (full and (per_head or work)) for full, _, per_head, graph, _, work in modes), \
+        f"a per-head graph for a step that needs none, or a step that needs one in a stock graph: {summary}"
+    assert all(full for full, _, _, _, decode_only, _ in modes if decode_only), f"a decode-only step not FULL: {summary}"
     for i, (a, b) in enumerate(zip(graphs, no_graphs)):
         ga, gb = a.outputs[0], b.outputs[0]
         assert len(ga.token_ids) == len(gb.token_ids)

@@ -94,7 +94,7 @@ class EvictFlashAttentionImpl(EvictionAttentionMixin, FlashAttentionImpl):
         # q is a strided view of the fused QKV projection: one copy, into the staged queries (window capture,
         # worker.py); the output is written in place.
         q = tables.queries[layer_idx, :n]
-        q.copy_(query[:n])
+        q.view(n, -1).copy_(query[:n].reshape(n, -1))
         self._per_head_attention(q.view(n * H, g, D), cache, tables.query_start[: n * H + 1], lens, pages,
                                  1, md.max_seq_len, output[:n].view(n * H, g, D), num_splits=num_splits)
 
