@@ -41,9 +41,9 @@ class WindowStore:
     requests. Rows are handed out per window size and reused once a request is gone; the tensor grows (its
     rows copied) when a new request needs more."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_layers: int) -> None:
         self.rows: torch.Tensor | None = None
-        self.num_layers = 0                      # set from the model's attention layers (build_plan)
+        self.num_layers = num_layers             # layer indices of the model's attention layers: 0 .. L-1
         self.capacity = 0
         self.free: dict[int, list[int]] = {}  # window size -> free offsets
 
@@ -215,9 +215,9 @@ class WorkerEvictionState:
         self.trimmed: dict[str, int] = {}        # request id -> F' <= F fresh blocks it keeps (not yet sent)
         self.step_cache: dict = {}               # per_head's cross-step cache (StepPlan.cache)
         self.capturing_per_head = False          # capturing a PerHeadDecodeBatch graph
-        self.heads: KVHeadGroup | None = None    # this rank's KV heads (set by the first plan)
-        self.windows = WindowStore()             # every request's window queries
-        self.layers: tuple[list, float] | None = None  # attention_layers (set by the first plan)
+        self.heads: KVHeadGroup | None = None    # this rank's KV heads (set with `layers`)
+        self.windows = WindowStore(0)            # every request's window queries (one per runner)
+        self.layers: tuple | None = None         # (runner, attention_layers), set by its first plan
 
     def attach_report(self, output):
         """Send compaction latencies, failures and trimmed fresh blocks to the scheduler on a
@@ -297,9 +297,7 @@ class WorkerEvictionState:
 
     def build_plan(self, runner, scheduler_output) -> None:
         """The step's plan, in O(number of evicting requests); None (stock step) when there are none."""
-        if self.heads is None:
-            self.heads = kv_head_group(runner)
-            self.attention_layers(runner)
+        self.attention_layers(runner)
         for req_id in self.arrived:
             state = self._new_state(runner, req_id)
             if state is not None:
@@ -428,15 +426,18 @@ class WorkerEvictionState:
 
     def attention_layers(self, runner) -> tuple[list, float]:
         """(layer index, paged cache adapter) of every attention layer that writes its own KV cache, in layer
-        order, and their softmax scale: read once off the model's layers (the caches never move)."""
-        if self.layers is None:
+        order, and their softmax scale: read once per runner off the model's layers (its caches never move).
+        Another engine in this process has caches, a window store and KV heads of its own."""
+        if self.layers is None or self.layers[0] is not runner:
             modules = runner.vllm_config.compilation_config.static_forward_context.values()
             impls = [m for m in modules if hasattr(getattr(m, "impl", None), "_cached_paged_cache")
                      and m.impl.kv_sharing_target_layer_name is None]
-            self.layers = (sorted(((extract_layer_index(m.layer_name), m.impl._cached_paged_cache(m, m.kv_cache))
-                                   for m in impls), key=lambda item: item[0]), impls[0].impl.scale)
-            self.windows.num_layers = self.layers[0][-1][0] + 1
-        return self.layers
+            layers = sorted(((extract_layer_index(m.layer_name), m.impl._cached_paged_cache(m, m.kv_cache))
+                             for m in impls), key=lambda item: item[0])
+            self.layers = (runner, layers, impls[0].impl.scale)
+            self.windows = WindowStore(num_layers=layers[-1][0] + 1)
+            self.heads = kv_head_group(runner)
+        return self.layers[1:]
 
     def end_step(self) -> None:
         self.plan = None
