@@ -70,6 +70,7 @@ def make_engine(args):
                       attention_backend="FLASH_ATTN")
         if args.kv_cache_memory_bytes is not None:  # a capped KV pool
             kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+        kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     else:  # CPU smoke run of the script itself (tests/bench): tiny random Llama, fp32
         from vllm_evict.testing.tiny_models import ensure_tiny_model
 
@@ -461,6 +462,8 @@ E2E_SHAPES = ["--shapes", "32768:256:8", "16384:512:16", "8192:2048:32", "--max-
 TP16_E2E = ["--tensor-parallel-size", "2", "--shapes", "32768:256:48", "16384:512:96", "--max-model-len", "33280"]
 DECODE34_ARGS = ["--prompt-len", "1024", "--max-tokens", "2048", "--num-requests", "64",
                  "--kv-cache-memory-bytes", str(8 << 30), "--max-model-len", "4096"]
+REASONING34_ARGS = ["--prompt-len", "1024", "--max-tokens", "4096", "--num-requests", "256", "--max-model-len", "5376"]
+FP8CAP_ARGS = ["--prompt-len", "32768", "--max-tokens", "4096", "--max-model-len", "36864"]
 PLANS = {
     # issue 13: decode-step table (batches 1..256 at 1024 KV tokens per head) and the three end-to-end shapes
     "decode13": [("vanilla", "latency", ["--ttft-cases", "--decode-batches", "1", "8", "64", "256",
@@ -559,6 +562,16 @@ PLANS = {
     # issue 34, scaled to one short device call: 64 x 1K in / 2K out on a 64K-token pool (8 GiB of
     # Llama-3.1-8B KV), so the pool, not the batch limit, bounds vanilla; decode budgets of 1/4 and 1/2 of
     # the output (the issue's 1024 and 2048 of 4K), DropKV and SnapKV, uniform, every 128 tokens
+    # issue 34, the issue's reasoning shape on the whole GPU: 256 x 1K in / 4K out, decode budgets 1024 and 2048
+    "reasoning34": [("vanilla", "decode", REASONING34_ARGS, 330),
+                    ("evict", "decode", REASONING34_ARGS + ["--decode-configs", *[
+                        json.dumps({"policy": "dropkv", "decode_budget": budget}) for budget in (1024, 2048)]], 330)],
+    # issue 32: concurrent 32K requests with a bf16 and an fp8 cache, vanilla and DropKV at 10% (two calls)
+    "fp8cap32a": [("vanilla", "capacity", FP8CAP_ARGS + ["--num-requests", "72"], 240),
+                  ("evict", "capacity", FP8CAP_ARGS + ["--shared-prefix", "--capacity-configs", "0.1:uniform"], 300)],
+    "fp8cap32b": [("vanilla", "capacity", FP8CAP_ARGS + ["--num-requests", "144", "--kv-cache-dtype", "fp8"], 300),
+                  ("evict", "capacity", FP8CAP_ARGS + ["--shared-prefix", "--capacity-configs", "0.1:uniform",
+                                                       "--kv-cache-dtype", "fp8"], 300)],
     "decode34": [("vanilla", "decode", DECODE34_ARGS, 200),
                  ("evict", "decode", DECODE34_ARGS + ["--decode-configs", *[
                      json.dumps({"policy": policy, "decode_budget": budget})
@@ -653,6 +666,7 @@ def main() -> int:
     o.add_argument("--max-num-seqs", type=int, default=512)
     o.add_argument("--max-num-batched-tokens", type=int, default=16384)
     o.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (CPU: worker processes) per engine")
+    o.add_argument("--kv-cache-dtype", default="auto", help="GPU: vLLM's --kv-cache-dtype (auto or fp8)")
     o.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="KV pool size (CPU default 256 MiB; GPU default: vLLM's, from --gpu-memory-utilization 0.9)")
     o.add_argument("--allow-long-prompts", action="store_true", help="evict engine: --max-model-len may exceed the pool")

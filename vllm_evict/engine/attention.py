@@ -22,18 +22,26 @@ import inspect
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.platforms import current_platform
 
 from vllm_evict.engine import per_head
 from vllm_evict.engine.worker import STATE, per_head_graph_step
 
 
-def check_cache_dtype(cache_dtype: str) -> None:
-    """Refuse, at engine start, a KV cache dtype that eviction cannot handle yet (issue 21): compaction
-    copies and the per-head write store K/V in the model dtype, so an fp8 cache would fail mid-serving."""
-    if str(cache_dtype).startswith("fp8"):
-        raise ValueError(f"vllm-evict does not support an fp8 KV cache yet (--kv-cache-dtype {cache_dtype}): "
-                         "start with --kv-cache-dtype auto, or disable the plugin (VLLM_PLUGINS=none) to serve "
-                         "fp8 without eviction")
+# Quantized caches eviction handles: vLLM's FlashAttention fp8 (e4m3, per-layer k/v scales) on CUDA
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+
+
+def check_cache_dtype(cache_dtype: str, cuda: bool) -> None:
+    """Refuse, at engine start, a KV cache dtype that eviction cannot handle: any quantized cache but
+    e4m3 fp8 on CUDA (compaction moves its bytes; scoring reads it dequantized; cuda_backend.py)."""
+    cache_dtype = str(cache_dtype)
+    if cache_dtype in ("auto", "bfloat16", "float16", "float32") or (cuda and cache_dtype in FP8_CACHE_DTYPES):
+        return
+    raise ValueError(f"vllm-evict does not support the KV cache dtype {cache_dtype!r} "
+                     f"(--kv-cache-dtype {cache_dtype}){'' if cuda else ' on this platform'}: start with "
+                     f"--kv-cache-dtype auto{' or fp8' if cuda else ''}, or disable the plugin (VLLM_PLUGINS=none) "
+                     "to serve it without eviction")
 
 
 def check_pipeline_parallel(size: int) -> None:
@@ -51,8 +59,10 @@ class EvictionAttentionMixin:
     def __init__(self, *args, **kwargs) -> None:
         # before the stock impl's own checks: the user reads why eviction refuses the setting
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
-        check_cache_dtype(bound.arguments["kv_cache_dtype"])
-        check_pipeline_parallel(get_current_vllm_config().parallel_config.pipeline_parallel_size)
+        check_cache_dtype(bound.arguments["kv_cache_dtype"], current_platform.is_cuda())
+        config = get_current_vllm_config()
+        check_pipeline_parallel(config.parallel_config.pipeline_parallel_size)
+        self.model_dtype = config.model_config.dtype  # what compaction scores a quantized cache's K/V in
         super().__init__(*args, **kwargs)
 
     def _paged_cache(self, layer, kv_cache):  # -> object with gather_prefix / write_pages / key_pages
@@ -113,7 +123,7 @@ class EvictionAttentionMixin:
             cache.write_tokens(key[:n].view(n, H, D), value[:n].view(n, H, D), tables.slots)
         q = query[:n].view(n, H, g, D).transpose(0, 1).reshape(H * n, g, D)
         vqsl = plan.tables.query_start_loc
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=output.dtype, device=q.device)  # q may be fp8 (an fp8 cache)
         self._per_head_attention(q, cache, vqsl, tables.seq_lens.reshape(-1),
                                  tables.pages.reshape(H * num_reqs, -1), md.max_query_len, md.max_seq_len, out)
         output[:n].view(n, H, g, D).copy_(out.view(H, n, g, D).transpose(0, 1))

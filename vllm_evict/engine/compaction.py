@@ -157,7 +157,8 @@ def compaction_slots(keep: torch.Tensor, page_counts: torch.Tensor, fresh_blocks
 
 
 def layer_groups(layers: list, prompt_len: int, num_heads: int, head_dim: int, itemsize: int) -> list[list]:
-    """Consecutive layers whose gathered K and V fit GROUP_BYTES together (at least one layer each)."""
+    """Consecutive layers whose gathered K and V (itemsize bytes per element, dequantized copies included)
+    fit GROUP_BYTES together (at least one layer each)."""
     per_layer = 2 * prompt_len * num_heads * head_dim * itemsize
     size = max(1, GROUP_BYTES // per_layer)
     return [layers[i: i + size] for i in range(0, len(layers), size)]
@@ -215,7 +216,7 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     point, config = state.point, state.spec.config
     held, fixed, R = point.held, point.fixed, len(requests)
     assert R == 1 or len({batch_key(s) for s, _, _ in requests} - {None}) == 1, "requests of one batch key"
-    groups = layer_groups(layers, held * R, cache.num_heads, cache.head_dim, cache.dtype.itemsize)
+    groups = layer_groups(layers, held * R, cache.num_heads, cache.head_dim, cache.gathered_itemsize)
     options = {**config.score_options(), "window": point.window, "sink": point.sink}
     # Ada-KV under TP: the layout spans the blocks of the fullest rank over all layers, known once every
     # layer is selected, so the groups are written after that (gathered again, all but the last).
@@ -226,15 +227,19 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
         G, H, D = len(group), cache.num_heads, cache.head_dim
         q_window = None
         if state.window:
-            q_window = torch.stack([s.q_window[index] for s, _, _ in requests for index, _ in group],
-                                   dim=1).flatten(1, 2)
+            q_window = torch.stack([s.q_window[index] for s, _, _ in requests for index, _ in group], dim=1)
+            q_window = q_window.view(q_window.shape[0], R, G, *q_window.shape[2:])
+        # scoring reads a quantized cache dequantized; the kept tokens move as the cache's own bytes
+        scored_keys, scored_values, q_window = cache.dequantize([c for _, c in group], keys, values, q_window)
+        if q_window is not None:
+            q_window = q_window.flatten(1, 3)
         context = positions = None
         if POLICIES[config.policy].needs_context:  # one request (batch_key)
             positions = _held_positions(state, point, group, H, keys.device)
             context = _token_context(state, point, positions, group, heads)
         n = held - fixed  # the candidates: every held token, or under protect_prompt the generated ones
         flat = (n, R * G * H, D)
-        keep, counts = select_group(config, q_window, keys[fixed:].view(flat), values[fixed:].view(flat), scale,
+        keep, counts = select_group(config, q_window, scored_keys[fixed:].view(flat), scored_values[fixed:].view(flat), scale,
                                     state.page_size, point.pages, num_layers=R * G, heads=heads, options=options,
                                     context=context)
         keep, counts = keep.view(R, G, H, n), counts.view(R, G, H)

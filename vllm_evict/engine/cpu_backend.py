@@ -26,6 +26,16 @@ class CpuPagedCache:
         self.key_pages, self.value_pages = kv_cache.view(B * H, 1, 2 * N, D).chunk(2, dim=2)
         self.isa, self.k_scale, self.v_scale, self.dtype_str = isa, k_scale, v_scale, dtype_str
 
+    @property
+    def gathered_itemsize(self) -> int:
+        """Bytes per gathered K/V element during compaction (a model-dtype cache: no dequantized copy)."""
+        return self.dtype.itemsize
+
+    @staticmethod
+    def dequantize(caches: list["CpuPagedCache"], keys: torch.Tensor, values: torch.Tensor, queries):
+        """Scoring's view of gathered K/V and window queries: the model-dtype cache's own values."""
+        return keys, values, queries
+
     def gather_prefix(self, blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values [n, H, D] of the first n tokens stored in `blocks` (standard layout)."""
         nb, H, N, D = blocks.numel(), self.num_heads, self.page_size, self.head_dim

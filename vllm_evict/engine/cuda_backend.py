@@ -4,6 +4,12 @@ The cache is required in HND layout: logical and physical [num_blocks, H_kv, N, 
 packed in the last dim. Viewed as [B*H, N, 1, 2*D] every (block, head) page is a block of a
 one-KV-head cache (page id = block*H + head): the per-head view FlashAttention runs on with
 `nheads_k = 1` and the g query heads of the group as its query heads.
+
+An fp8 cache (`--kv-cache-dtype fp8`, e4m3 with vLLM's per-layer k/v scales; FlashAttention 3) is
+stored as bytes. Writes quantize through vLLM's own `reshape_and_cache_flash`; compaction gathers and
+scatters the bytes unchanged (the scales are per layer, so a copied byte keeps its value), and scoring
+reads them dequantized (`dequantize`). Attention reads the cache as fp8 with the layer's descales, and
+its queries arrive quantized by vLLM's attention layer: the window queries are those, dequantized.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionImpl,
     FlashAttentionMetadataBuilder,
 )
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, reshape_and_cache_flash
 
 from vllm_evict.kernels.paged_kv import gather_prompt, scatter_kept
@@ -24,7 +32,8 @@ from vllm_evict.engine.worker import STATE
 
 
 class CudaPagedCache:
-    def __init__(self, kv_cache: torch.Tensor, head_size: int, kv_cache_dtype: str, k_scale, v_scale):
+    def __init__(self, kv_cache: torch.Tensor, head_size: int, kv_cache_dtype: str, k_scale, v_scale,
+                 q_scale=None, model_dtype: torch.dtype | None = None):
         B, H, N, two_d = kv_cache.shape
         self.kv_cache, self.num_heads, self.page_size, self.head_dim = kv_cache, H, N, head_size
         self.dtype, self.device = kv_cache.dtype, kv_cache.device
@@ -32,7 +41,38 @@ class CudaPagedCache:
         key_pages, value_pages = paged.split(head_size, dim=-1)
         self.key_pages = canonicalize_singleton_dim_strides(key_pages)
         self.value_pages = canonicalize_singleton_dim_strides(value_pages)
-        self.kv_cache_dtype, self.k_scale, self.v_scale = kv_cache_dtype, k_scale, v_scale
+        self.kv_cache_dtype, self.k_scale, self.v_scale, self.q_scale = kv_cache_dtype, k_scale, v_scale, q_scale
+        self.quantized = is_quantized_kv_cache(kv_cache_dtype)
+        self.model_dtype = model_dtype or kv_cache.dtype    # what scoring reads (dequantized)
+        fp8 = current_platform.fp8_dtype() if self.quantized else None
+        self.attn_key_pages = self.key_pages.view(fp8) if fp8 else self.key_pages       # what attention reads
+        self.attn_value_pages = self.value_pages.view(fp8) if fp8 else self.value_pages
+
+    @property
+    def gathered_itemsize(self) -> int:
+        """Bytes per gathered K/V element during compaction: the cache's, plus its dequantized copy."""
+        return self.dtype.itemsize + (self.model_dtype.itemsize if self.quantized else 0)
+
+    @staticmethod
+    def dequantize(caches: list["CudaPagedCache"], keys: torch.Tensor, values: torch.Tensor,
+                   queries: torch.Tensor | None) -> tuple:
+        """Scoring's view of gathered keys/values [n, R, G, H, D] and window queries [w, R, G, Hq, D] of G
+        layers (the caches' dtype; queries may be None): unchanged for a model-dtype cache, else the fp8
+        values times each layer's scale, in the model dtype."""
+        first = caches[0]
+        if not first.quantized:
+            return keys, values, queries
+        fp8, dtype = current_platform.fp8_dtype(), first.model_dtype
+
+        def scaled(x, scales):
+            scale = torch.stack([s.reshape(()) for s in scales]).view(len(caches), 1, 1)
+            return (x.view(fp8).to(torch.float32) * scale).to(dtype)
+
+        keys = scaled(keys, [c.k_scale for c in caches])
+        values = scaled(values, [c.v_scale for c in caches])
+        if queries is not None and queries.dtype == fp8:
+            queries = scaled(queries, [c.q_scale for c in caches])
+        return keys, values, queries
 
     def gather_prefix(self, blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         nb, H, N, D = blocks.numel(), self.num_heads, self.page_size, self.head_dim
@@ -40,11 +80,10 @@ class CudaPagedCache:
         return pages[..., :D], pages[..., D:]
 
     def write_tokens(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write keys/values [T, H, D] of scheduled tokens to their per-head slots [T, H]: rows of the
-        contiguous HND cache are exactly the slots (page * N + offset), so two index_puts, no copies."""
-        rows = self.kv_cache.view(-1, 2 * self.head_dim)
-        rows[:, : self.head_dim].index_put_((slots,), keys)
-        rows[:, self.head_dim:].index_put_((slots,), values)
+        """Write keys/values [T, H, D] of scheduled tokens to their per-head slots [T, H] (quantized as
+        vLLM writes them)."""
+        D = self.head_dim
+        self.write_pages(keys.reshape(-1, D), values.reshape(-1, D), slots.reshape(-1))
 
     def write_pages(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
         """Write keys/values [M, D] to per-head slots [M] (page * N + offset; -1 = skip)."""
@@ -66,18 +105,24 @@ class CudaPagedCache:
 
 class EvictFlashAttentionImpl(EvictionAttentionMixin, FlashAttentionImpl):
     def _paged_cache(self, layer, kv_cache) -> CudaPagedCache:
-        return CudaPagedCache(kv_cache, self.head_size, self.kv_cache_dtype, layer._k_scale, layer._v_scale)
+        return CudaPagedCache(kv_cache, self.head_size, self.kv_cache_dtype, layer._k_scale, layer._v_scale,
+                              layer._q_scale, self.model_dtype)
 
     def _stock_attention(self, layer, query, key, value, kv_cache, md, output) -> None:
         FlashAttentionImpl.forward(self, layer, query, key, value, kv_cache, md, output)
 
     def _per_head_attention(self, q, cache, qsl, seq_lens, block_table, max_query_len, max_seq_len, out,
                             num_splits=0):
+        descales = {}
+        if cache.quantized:  # the layer's scales, one per virtual sequence (a single KV head each)
+            shape = (seq_lens.shape[0], 1)
+            descales = dict(q_descale=cache.q_scale.expand(shape) if q.dtype == current_platform.fp8_dtype() else None,
+                            k_descale=cache.k_scale.expand(shape), v_descale=cache.v_scale.expand(shape))
         flash_attn_varlen_func(
-            q=q, k=cache.key_pages, v=cache.value_pages, out=out, cu_seqlens_q=qsl, max_seqlen_q=max_query_len,
-            seqused_k=seq_lens, max_seqlen_k=max_seq_len, softmax_scale=self.scale, causal=True,
-            alibi_slopes=None, window_size=None, block_table=block_table, softcap=self.logits_soft_cap,
-            scheduler_metadata=None, fa_version=self.vllm_flash_attn_version, num_splits=num_splits)
+            q=q, k=cache.attn_key_pages, v=cache.attn_value_pages, out=out, cu_seqlens_q=qsl,
+            max_seqlen_q=max_query_len, seqused_k=seq_lens, max_seqlen_k=max_seq_len, softmax_scale=self.scale,
+            causal=True, alibi_slopes=None, window_size=None, block_table=block_table, softcap=self.logits_soft_cap,
+            scheduler_metadata=None, fa_version=self.vllm_flash_attn_version, num_splits=num_splits, **descales)
 
     def _per_head_graph_forward(self, layer_idx, query, key, value, cache, md, output) -> None:
         """Decode step (one token per row) as per-head virtual sequences, captured in and replayed from a
@@ -99,6 +144,16 @@ class EvictFlashAttentionImpl(EvictionAttentionMixin, FlashAttentionImpl):
                                  1, md.max_seq_len, output[:n].view(n * H, g, D), num_splits=num_splits)
 
 
+def query_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The queries' dtype in the attention call: vLLM's attention layer quantizes them to fp8 for an fp8
+    cache when FlashAttention takes quantized queries (FA3)."""
+    from vllm.v1.attention.backends.fa_utils import flash_attn_supports_quant_query_input
+
+    if is_quantized_kv_cache(cache_dtype) and flash_attn_supports_quant_query_input():
+        return current_platform.fp8_dtype()
+    return model_dtype
+
+
 class EvictFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
     # FlashAttention's own CUDA-graph support: a FULL graph replays the stock attention, which is right
     # for every step whose plan needs no attention call (worker.py's dispatcher hook keeps the others
@@ -118,7 +173,7 @@ class EvictFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
                              vllm_config.compilation_config.max_cudagraph_capture_size),
                 num_heads=kv_cache_spec.num_kv_heads, max_pages=-(-model.max_model_len // page) + 1,
                 page_size=page, device=device, num_q_heads=model.get_num_attention_heads(vllm_config.parallel_config),
-                head_dim=kv_cache_spec.head_size, dtype=model.dtype)
+                head_dim=kv_cache_spec.head_size, dtype=query_dtype(vllm_config.cache_config.cache_dtype, model.dtype))
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)

@@ -25,6 +25,7 @@ import torch
 from vllm.forward_context import BatchDescriptor, get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.utils.torch_utils import is_quantized_kv_cache
 
 from vllm_evict.engine.compaction import KVHeadGroup, LayerCompaction, compact_requests, compaction_batches
 from vllm_evict.engine.request_config import (PLAN_KEY, CompactionSchedule, FollowsSchedule, RequestEviction,
@@ -406,7 +407,7 @@ class WorkerEvictionState:
         layers, scale = self.attention_layers(runner)
         cache = layers[0][1]
         states = [plan.states[row] for row in plan.compacting]
-        for batch in compaction_batches(states, len(layers), cache.num_heads, cache.head_dim, cache.dtype.itemsize):
+        for batch in compaction_batches(states, len(layers), cache.num_heads, cache.head_dim, cache.gathered_itemsize):
             for state in batch:
                 if state.window:
                     state.q_window = {index: self.windows.window(index, state.window_offset, state.window)
@@ -518,33 +519,42 @@ def kv_head_group(runner) -> KVHeadGroup:
 
 def warm_up_scoring(runner) -> None:
     """At engine start (vLLM's kernel warm-up, CUDA only): compile every kernel of the compaction path
-    before the first request (docs/OPERATIONS.md)."""
+    before the first request, for the engine's cache dtype (docs/OPERATIONS.md)."""
     if runner.device.type != "cuda":
         return
-    from vllm_evict.engine.cuda_backend import CudaPagedCache
+    from vllm_evict.engine.cuda_backend import CudaPagedCache, query_dtype
 
-    model, parallel = runner.model_config, runner.parallel_config
+    model, parallel, cache_dtype = runner.model_config, runner.parallel_config, runner.cache_config.cache_dtype
     head_dim = model.get_head_size()
+    one = torch.ones((), dtype=torch.float32, device=runner.device)  # the layers' default k/v/q scales
     start = time.perf_counter()
-    warm_up(lambda kv_cache: CudaPagedCache(kv_cache, head_dim, "auto", None, None), runner.device,
-            model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel), head_dim,
-            model.dtype, runner.cache_config.block_size)  # the "auto" cache dtype (fp8 caches: issue 21)
+    warm_up(lambda kv_cache: CudaPagedCache(kv_cache, head_dim, cache_dtype, one, one, one, model.dtype),
+            runner.device, model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel), head_dim,
+            model.dtype, runner.cache_config.block_size, query_dtype(cache_dtype, model.dtype),
+            is_quantized_kv_cache(cache_dtype))
     logger.info("vllm-evict: scoring kernels ready in %.1f s", time.perf_counter() - start)
 
 
 def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: int, head_dim: int,
-            dtype: torch.dtype, page: int) -> list[WorkerEviction]:
+            dtype: torch.dtype, page: int, q_dtype: torch.dtype | None = None, fp8_cache: bool = False
+            ) -> list[WorkerEviction]:
     """Run the engine's compaction path (compact_one) for every policy and allocation once on a short
     prompt in two scratch layers of this head shape (make_cache: the backend's paged-cache adapter of a
-    [blocks, H_kv, page, 2*D] cache), so that every kernel is compiled with the argument types the engine
-    passes (none specialises on the prompt length or the layer count). Returns the compacted states."""
+    [blocks, H_kv, page, 2*D] cache of `dtype`, or of fp8 bytes), so that every kernel is compiled with the
+    argument types the engine passes (none specialises on the prompt length or the layer count); window
+    queries of `q_dtype` (default: dtype). Returns the compacted states."""
     from vllm_evict.policies import ALLOCATIONS, POLICIES
     from vllm_evict.policies.config import EvictionConfig
 
     gen = torch.Generator(device=device).manual_seed(0)
     n, num_blocks = 16 * page, 32  # 16 prompt blocks and room for as many fresh ones (P <= 16)
-    layers = [(i, make_cache(torch.randn(num_blocks, num_kv_heads, page, 2 * head_dim, generator=gen,
-                                         device=device).to(dtype))) for i in range(2)]
+
+    def scratch(*shape, to):
+        values = torch.randn(*shape, generator=gen, device=device)
+        return values.to(torch.float8_e4m3fn).view(torch.uint8) if to == "fp8 bytes" else values.to(to)
+
+    layers = [(i, make_cache(scratch(num_blocks, num_kv_heads, page, 2 * head_dim,
+                                     to="fp8 bytes" if fp8_cache else dtype))) for i in range(2)]
     states = []
     for policy in POLICIES:
         for allocation in ALLOCATIONS:
@@ -554,8 +564,7 @@ def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: in
             state = WorkerEviction.for_prompt("warm-up", spec, n, page, prompt_block_ids=list(range(16)),
                                               fresh_blocks=list(range(16, 16 + pages)))
             if window:
-                state.q_window = {i: torch.randn(window, num_q_heads, head_dim, generator=gen, device=device)
-                                  .to(dtype) for i, _ in layers}
+                state.q_window = {i: scratch(window, num_q_heads, head_dim, to=q_dtype or dtype) for i, _ in layers}
             compact_one([state], layers, head_dim ** -0.5)
             states.append(state)
     if device.type == "cuda":

@@ -1,0 +1,158 @@
+"""GPU: eviction on an fp8 KV cache (e4m3, vLLM's per-layer k/v scales, FlashAttention 3; issue 32).
+
+* Compaction of fp8 caches: scoring reads the cache dequantized (each layer's bytes times its scale) and
+  fp8 window queries dequantized with their scale; the kept sets equal the torch reference's on those same
+  dequantized values (CPU, up to SPEC §7.3's near ties); the kept tokens move as the cache's own bytes.
+* The engine with `kv_cache_dtype="fp8"`: a 100% budget (uniform: the stock layout; Ada-KV: the per-head
+  path) and a decode budget covering the sequence give the tokens of the same fp8 engine without eviction;
+  every policy at a 10% budget, one-shot, block-wise and decode-time, runs to its length and frees blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.policies.test_cuda import near_tie_ok
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+N, D, H, G = 16, 64, 2, 2
+SCALES = {"k": 0.5, "v": 2.0, "q": 0.25}
+
+
+def fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x quantized as vLLM quantizes with a static scale: x / scale, saturated to e4m3's range."""
+    return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("allocation", ["uniform", "adakv"])
+@pytest.mark.parametrize("policy", ["snapkv", "dropkv", "keydiff", "obcache-joint", "caote", "tova", "h2o", "knorm",
+                                    "streaming"])
+def test_fp8_cache_compaction_matches_the_reference_on_dequantized_values(monkeypatch, policy, allocation):
+    from vllm_evict.engine import compaction
+    from vllm_evict.engine.cuda_backend import CudaPagedCache
+    from vllm_evict.engine.request_config import RequestEviction
+    from vllm_evict.engine.worker import WorkerEviction
+    from vllm_evict.policies import EvictionConfig, score_tokens, select_tokens
+
+    torch.manual_seed(7)
+    dev, E, P, num_layers, scale = "cuda", 300, 4, 2, D ** -0.5
+    config = EvictionConfig.from_dict({"policy": policy, "budget": P * N, "allocation": allocation})
+    w = config.window_size()
+    prompt_blocks = torch.arange(20, 20 + -(-E // N), device=dev, dtype=torch.int32).flip(0)
+    fresh = torch.arange(60, 60 + P, device=dev)
+    scales = {k: torch.tensor(v, device=dev) for k, v in SCALES.items()}
+    layers, raw, expected_inputs = [], [], []
+    for i in range(num_layers):
+        kv = torch.zeros(80, H, N, 2 * D, device=dev, dtype=torch.uint8)
+        cache = CudaPagedCache(kv, D, "fp8", scales["k"], scales["v"], scales["q"], torch.bfloat16)
+        keys = torch.randn(E, H, D, device=dev, dtype=torch.bfloat16)
+        keys[:, 1] *= 4  # head 1 attends sharply: Ada-KV gives the heads different pages
+        values = torch.randn(E, H, D, device=dev, dtype=torch.bfloat16)
+        pos = torch.arange(E, device=dev)
+        slots = (prompt_blocks[pos // N].long().unsqueeze(1) * H + torch.arange(H, device=dev)) * N + (pos % N).unsqueeze(1)
+        cache.write_pages(keys.reshape(-1, D), values.reshape(-1, D), slots.reshape(-1))  # vLLM's fp8 write
+        layers.append((i, cache))
+        raw.append(kv.clone())
+        q8 = fp8(torch.randn(w, H * G, D, device=dev), SCALES["q"]) if w else None
+        k_raw, v_raw = cache.gather_prefix(prompt_blocks, E)
+        dequantized = [(x.view(torch.float8_e4m3fn).float() * s).to(torch.bfloat16)
+                       for x, s in ((k_raw, SCALES["k"]), (v_raw, SCALES["v"]))]
+        q = None if q8 is None else (q8.float() * SCALES["q"]).to(torch.bfloat16)
+        expected_inputs.append((q8, q, *dequantized))
+    # the round trip is exact up to e4m3 rounding (scales are powers of two)
+    assert (expected_inputs[0][2].float() - keys.float()).abs().max() > 0
+
+    seen = []
+    select_group = compaction.select_group
+
+    def recording(config, q_window, keys, values, *args, **kwargs):
+        keep, counts = select_group(config, q_window, keys, values, *args, **kwargs)
+        seen.append((q_window, keys, values, keep, counts))
+        return keep, counts
+
+    monkeypatch.setattr(compaction, "select_group", recording)
+    state = WorkerEviction.for_prompt("r", RequestEviction(config), E, N,
+                                      q_window={i: expected_inputs[i][0] for i in range(num_layers)} if w else {})
+    compaction.compact_request(state, layers, scale, prompt_blocks, fresh)
+    (q_seen, k_seen, v_seen, keep, counts), = seen  # both layers in one group
+    keep, counts = keep.view(num_layers, H, E), counts.view(num_layers, H)
+    for i, (layer_idx, cache) in enumerate(layers):
+        _, q, k, v = expected_inputs[i]
+        # scoring saw exactly the dequantized values
+        assert torch.equal(k_seen.view(E, num_layers, H, D)[:, i], k) and torch.equal(v_seen.view(E, num_layers, H, D)[:, i], v)
+        if w:
+            assert torch.equal(q_seen.view(w, num_layers, H * G, D)[:, i], q)
+        # the kept set equals the CPU reference's on the same values, up to near ties
+        ref_scores = score_tokens(policy, None if q is None else q.cpu(), k.cpu(), v.cpu(), scale=scale,
+                                  **config.score_options())
+        ref_keep = select_tokens(ref_scores, P * N, page_size=N, **config.select_options())
+        kept = keep[i].sum(dim=1)
+        if torch.equal(ref_keep.sum(dim=1), kept.cpu()):
+            near_tie_ok(ref_scores, ref_keep, keep[i].cpu(), kept.tolist())
+        else:
+            assert allocation == "adakv", "uniform allocation keeps the same count per head"
+        # the kept tokens' bytes moved unchanged into their per-head slots
+        expected = raw[i].clone()
+        rows, src = expected.view(-1, 2 * D), raw[i].view(-1, 2 * D)
+        slots = compaction.compaction_slots(keep[i], counts[i], fresh, N)      # [E, H]
+        pos = torch.arange(E, device=dev)
+        source = (prompt_blocks[pos // N].long().unsqueeze(1) * H + torch.arange(H, device=dev)) * N + (pos % N).unsqueeze(1)
+        moved = slots >= 0
+        rows[slots[moved]] = src[source[moved]]
+        assert torch.equal(cache.kv_cache[fresh], expected[fresh]), (policy, allocation, layer_idx)
+
+
+MAX_TOKENS = 40
+
+
+def test_fp8_engine_eviction_at_full_budget_matches_no_eviction(tiny_llama):
+    """One fp8 engine (FULL CUDA graphs): at a 100% budget and with a decode budget covering the sequence the
+    tokens equal the same prompt's without eviction (uniform exactly; Ada-KV, whose rows run the per-head
+    path, until a divergence where each side's token is in the other's top 5, as test_cuda_graphs allows);
+    every policy at 10%, one-shot and block-wise, and a decode budget, run to their length and free blocks."""
+    import gc
+
+    from vllm import SamplingParams
+
+    from tests.engine.inprocess import stdout_with_a_file_descriptor
+    from vllm_evict.policies import POLICIES
+    from vllm_evict.testing.engines import make_llm
+
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 1000, (600,), generator=g).tolist()
+    exact = [{"policy": "snapkv", "budget": 1.0}, {"policy": "keydiff", "budget": 1.0, "chunked": True,
+                                                   "chunk_size": 128},
+             {"policy": "dropkv", "decode_budget": 600 + MAX_TOKENS, "decode_every": 16}]
+    close = [{"policy": "snapkv", "budget": 1.0, "allocation": "adakv"}]
+    evicting = [{"policy": p, "budget": 0.1} for p in POLICIES] + [
+        {"policy": "snapkv", "budget": 0.1, "chunked": True, "chunk_size": 128},
+        {"policy": "dropkv", "budget": 0.1, "allocation": "adakv"},
+        {"policy": "snapkv", "decode_budget": 64, "decode_every": 16}]
+    cases = [None, *exact, *close, *evicting]
+    with stdout_with_a_file_descriptor():
+        llm = make_llm(tiny_llama, dtype="bfloat16", block_size=N, max_model_len=2048, kv_cache_dtype="fp8",
+                       kv_cache_memory_bytes=1 << 30, max_num_seqs=32, seed=0)
+    try:
+        params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5,
+                                 extra_args={"vllm_evict": c} if c else None) for c in cases]
+        outs = llm.generate([{"prompt_token_ids": prompt}] * len(cases), params)
+    finally:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    plain = outs[0].outputs[0]
+    for case, out in zip(cases[1:], outs[1:]):
+        seq = out.outputs[0]
+        assert len(seq.token_ids) == MAX_TOKENS and seq.finish_reason == "length", case
+        report = out.kv_transfer_params["vllm_evict"]
+        if case in exact:
+            assert list(seq.token_ids) == list(plain.token_ids), case
+        elif case in close:
+            for t, (x, y) in enumerate(zip(seq.token_ids, plain.token_ids)):
+                if x != y:
+                    assert x in plain.logprobs[t] and y in seq.logprobs[t], (case, t)
+                    break
+        else:
+            freed = report.get("blocks_freed", 0) + report.get("decode_blocks_freed", 0)
+            assert freed > 0, (case, report)
