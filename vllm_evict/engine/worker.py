@@ -70,11 +70,12 @@ class WindowStore:
 
     def capture(self, layer: int, query: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> None:
         """Copy one layer's queries [T, Hq, D] of batch tokens `tokens` into `rows` (device int64 tensors)."""
-        self.tensor(query)[layer].index_copy_(0, rows, query.index_select(0, tokens))
+        indexable(self.tensor(query))[layer].index_copy_(0, rows, indexable(query).index_select(0, tokens))
 
     def capture_all(self, queries: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> None:
         """The same for every layer at once, from staged queries [L, T, Hq, D]."""
-        self.tensor(queries[0])[: queries.shape[0]].index_copy_(1, rows, queries.index_select(1, tokens))
+        indexable(self.tensor(queries[0]))[: queries.shape[0]].index_copy_(1, rows,
+                                                                           indexable(queries).index_select(1, tokens))
 
     def window(self, layer: int, offset: int, size: int) -> torch.Tensor:
         return self.rows[layer, offset: offset + size]
@@ -83,6 +84,11 @@ class WindowStore:
         """Rows [offset + step, offset + size) move to [offset, offset + size - step), in every layer."""
         if self.rows is not None:
             self.rows[:, offset: offset + size - step] = self.rows[:, offset + step: offset + size].clone()
+
+
+def indexable(x: torch.Tensor) -> torch.Tensor:
+    """x, or the bytes of fp8 queries (an fp8 cache): CUDA has no fp8 index_select / index_copy."""
+    return x.view(torch.uint8) if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else x
 
 
 @dataclass
