@@ -463,7 +463,7 @@ TP16_E2E = ["--tensor-parallel-size", "2", "--shapes", "32768:256:48", "16384:51
 DECODE34_ARGS = ["--prompt-len", "1024", "--max-tokens", "2048", "--num-requests", "64",
                  "--kv-cache-memory-bytes", str(8 << 30), "--max-model-len", "4096"]
 REASONING34_ARGS = ["--prompt-len", "1024", "--max-tokens", "4096", "--num-requests", "256", "--max-model-len", "5376"]
-FP8CAP_ARGS = ["--prompt-len", "32768", "--max-tokens", "4096", "--max-model-len", "36864"]
+FP8CAP_ARGS = ["--prompt-len", "32768", "--max-tokens", "4096", "--max-model-len", "36864", "--max-num-seqs", "1024"]
 PLANS = {
     # issue 13: decode-step table (batches 1..256 at 1024 KV tokens per head) and the three end-to-end shapes
     "decode13": [("vanilla", "latency", ["--ttft-cases", "--decode-batches", "1", "8", "64", "256",

@@ -141,18 +141,22 @@ def test_fp8_engine_eviction_at_full_budget_matches_no_eviction(tiny_llama):
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    plain = outs[0].outputs[0]
-    for case, out in zip(cases[1:], outs[1:]):
+    plain, wrong = outs[0].outputs[0], []
+    for case, out in zip(cases[1:], outs[1:]):  # every case checked, the failures reported together
         seq = out.outputs[0]
-        assert len(seq.token_ids) == MAX_TOKENS and seq.finish_reason == "length", case
-        report = out.kv_transfer_params["vllm_evict"]
-        if case in exact:
-            assert list(seq.token_ids) == list(plain.token_ids), case
+        if len(seq.token_ids) != MAX_TOKENS or seq.finish_reason != "length":
+            wrong.append((case, f"ended {seq.finish_reason} after {len(seq.token_ids)} tokens"))
+        elif case in exact and list(seq.token_ids) != list(plain.token_ids):
+            first = next(t for t, (x, y) in enumerate(zip(seq.token_ids, plain.token_ids)) if x != y)
+            wrong.append((case, f"tokens differ from index {first}"))
         elif case in close:
             for t, (x, y) in enumerate(zip(seq.token_ids, plain.token_ids)):
                 if x != y:
-                    assert x in plain.logprobs[t] and y in seq.logprobs[t], (case, t)
+                    if not (x in plain.logprobs[t] and y in seq.logprobs[t]):
+                        wrong.append((case, f"index {t}: {x} and {y} not in each other's top 5"))
                     break
-        else:
-            freed = report.get("blocks_freed", 0) + report.get("decode_blocks_freed", 0)
-            assert freed > 0, (case, report)
+        elif case in evicting:
+            report = out.kv_transfer_params["vllm_evict"]
+            if report.get("blocks_freed", 0) + report.get("decode_blocks_freed", 0) <= 0:
+                wrong.append((case, f"freed no block: {report}"))
+    assert not wrong, wrong
