@@ -106,8 +106,9 @@ def test_fp8_cache_compaction_matches_the_reference_on_dequantized_values(monkey
 MAX_TOKENS = 40
 
 
-def test_fp8_engine_eviction_at_full_budget_matches_no_eviction(tiny_llama):
-    """One fp8 engine (FULL CUDA graphs): at a 100% budget and with a decode budget covering the sequence the
+@pytest.mark.parametrize("cache_dtype", ["fp8", "auto"])
+def test_engine_eviction_at_full_budget_matches_no_eviction(tiny_llama, cache_dtype):
+    """One engine (FULL CUDA graphs, async scheduling), fp8 cache and bf16 for comparison: at a 100% budget and with a decode budget covering the sequence the
     tokens equal the same prompt's without eviction (uniform exactly; Ada-KV, whose rows run the per-head
     path, until a divergence where each side's token is in the other's top 5, as test_cuda_graphs allows);
     every policy at 10%, one-shot and block-wise, and a decode budget, run to their length and free blocks."""
@@ -131,7 +132,7 @@ def test_fp8_engine_eviction_at_full_budget_matches_no_eviction(tiny_llama):
         {"policy": "snapkv", "decode_budget": 64, "decode_every": 16}]
     cases = [None, *exact, *close, *evicting]
     with stdout_with_a_file_descriptor():
-        llm = make_llm(tiny_llama, dtype="bfloat16", block_size=N, max_model_len=2048, kv_cache_dtype="fp8",
+        llm = make_llm(tiny_llama, dtype="bfloat16", block_size=N, max_model_len=2048, kv_cache_dtype=cache_dtype,
                        kv_cache_memory_bytes=1 << 30, max_num_seqs=32, seed=0)
     try:
         params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5,
