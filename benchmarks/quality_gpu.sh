@@ -17,6 +17,22 @@
 #     run(carry=[".quality-gpu/part1"], command="bash benchmarks/quality_gpu.sh stage .quality-gpu/part1")
 #     run(carry=[".quality-gpu/part2"], command="bash benchmarks/quality_gpu.sh stage .quality-gpu/part2; bash benchmarks/quality_gpu.sh run")
 #     run(command="bash benchmarks/quality_gpu.sh run")   # repeat until it prints "quality: complete"
+# The GGUF parts can also ride along with calls that carry nothing else (benchmarks/device_session16.sh:
+# STAGE_GGUF=.quality-gpu/partK), which saves the two staging calls.
+#
+# Issue 32, needle accuracy at 10% with an fp8 KV cache against a bf16 cache, same samples (one call, ~200 s
+# on a warm machine with the bundle and both GGUF parts staged):
+#     run(command="bash benchmarks/quality_gpu.sh fp8-needle")
+# It runs passkey, niah_single, niah_multikey and niah_multivalue at 4096 tokens, 24 samples each (seed 0, so
+# the same prompts for both caches), question-aware, uniform, SnapKV / DropKV / KeyDiff at budget 0.1 and the
+# full cache (1.0) as control: 96 samples x 4 settings = 384 requests per cache dtype, WORKERS=3 engines per
+# dtype, all six at once. Tables: needle_kv_auto.* (bf16 cache: vLLM's default, the model dtype) and
+# needle_kv_fp8.* (`vllm-evict eval --kv-cache-dtype fp8`). Back come $OUT/needle_kv_auto.md,
+# $OUT/needle_kv_fp8.md and $OUT/needle_kv.tgz (every table, request log and shard log). If it prints
+# "incomplete", the same command again on the warm machine resumes both. The same by hand:
+#     KV_DTYPE=fp8 NAME=needle_kv_fp8 TASKS="passkey niah_single niah_multikey niah_multivalue" LENGTHS=4096 \
+#       SAMPLES=24 VARIANTS=aware POLICIES="snapkv dropkv keydiff" ALLOCATIONS=uniform BUDGETS="0.1 1.0" \
+#       WORKERS=3 CHUNK=4 bash benchmarks/quality_gpu.sh run
 # Each `run` starts WORKERS engines (`vllm-evict eval --shard k/WORKERS`), each of which starts no new
 # generate call after STOP_AFTER seconds; then one `--report-only` run merges the shards and writes the
 # (partial) tables to $OUT/quality/. The next `run` resumes from /tmp/quality on the same warm machine; to
@@ -30,6 +46,7 @@
 # Knobs (environment): WORKERS (6 engines sharing the GPU; KV_BYTES of KV cache each, default 6e9),
 # SAMPLES (100 per task x length), LENGTHS ("1024 2048 4096 8192"), TASKS (all),
 # POLICIES ("core": the 9 SPEC policies; "all" adds tova h2o knorm), BUDGETS ("0.05 0.1 0.2 0.4 1.0"),
+# ALLOCATIONS ("uniform adakv"), KV_DTYPE (vLLM's default; "fp8": an fp8 e4m3 KV cache, give it its own NAME),
 # VARIANTS ("aware agnostic"), CHUNK (1), STOP_AFTER (420), NAME (ruler_gpu), PREDICTIONS (0: the
 # per-request log omits generated texts so that ruler_gpu_requests.jsonl.gz stays under the 16 MiB a file
 # that can come back from the device; 1 keeps them).
@@ -44,6 +61,76 @@ GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 MODEL_DIR=$STAGE/models/SmolLM2-135M-Instruct
 WORK=/tmp/quality
+
+setup_device() {  # device: vLLM bundle and GGUF staged; the plugin on the path; the HF model converted once
+  [ -f "$STAGE/$GGUF_NAME" ] || { echo "GGUF missing: stage .quality-gpu/part1 and part2 first"; exit 2; }
+  # vLLM from the bundle, and vllm-evict in its installed layout (kernels/ and server/ as vllm_evict.kernels /
+  # .server, which the CUDA backend imports) with a dist-info for its `vllm.general_plugins` entry point
+  # shellcheck source=benchmarks/device_env.sh
+  source benchmarks/device_env.sh || exit 2
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$STAGE/site" \
+    "$STAGE"/gguf-*.whl "$STAGE"/accelerate-*.whl
+  rm -rf "$STAGE/site/vllm_evict-0.1.0.dist-info"  # an older version of this script put a second one here
+  # spawn: the runner touches CUDA before vLLM starts its engine-core process
+  export PYTHONPATH=$PYTHONPATH:$STAGE/site VLLM_WORKER_MULTIPROC_METHOD=spawn
+  python3 -m vllm_evict.cli prepare-model --gguf "$STAGE/$GGUF_NAME" --cache-dir "$MODEL_DIR"
+  mkdir -p "$WORK"
+  pids=(); shard_logs=()
+}
+
+eval_args() {  # NAME KV_DTYPE ("" or auto: vLLM's default) -> the array `args`
+  # shellcheck disable=SC2206
+  args=(--model "$MODEL_DIR" --tasks ${TASKS:-passkey niah_single niah_multikey niah_multivalue vt cwe}
+        --lengths ${LENGTHS:-1024 2048 4096 8192} --samples "${SAMPLES:-100}"
+        --variants ${VARIANTS:-aware agnostic} --policies ${POLICIES:-core} --allocations ${ALLOCATIONS:-uniform adakv}
+        --budgets ${BUDGETS:-0.05 0.1 0.2 0.4 1.0} --chunk-samples "${CHUNK:-1}"
+        --out "$WORK" --name "$1" --resume)
+  [ -z "$2" ] || [ "$2" = auto ] || args+=(--kv-cache-dtype "$2")
+  [ "${PREDICTIONS:-0}" = 1 ] || args+=(--no-predictions)
+}
+
+launch() {  # NAME KV_DTYPE OFFSET: WORKERS engines in the background (`vllm-evict eval --shard k/WORKERS`)
+  # WORKERS engines share the GPU to run more requests at once (docs/QUALITY.md has the rates measured),
+  # each on every WORKERS-th sample index with its own compile caches and a fixed KV cache (no memory
+  # profiling, which concurrent engines would disturb). OFFSET: engines already started by this call.
+  eval_args "$1" "$2"
+  local workers=${WORKERS:-6} k
+  for k in $(seq 0 $((workers - 1))); do
+    VLLM_CACHE_ROOT=/tmp/vllm-cache/$(($3 + k)) TRITON_CACHE_DIR=/tmp/triton-cache/$(($3 + k)) OMP_NUM_THREADS=2 \
+      python3 -m vllm_evict.cli eval "${args[@]}" --shard "$k/$workers" --stop-after "${STOP_AFTER:-420}" \
+      --gpu-memory-utilization 0.05 --kv-cache-memory-bytes "${KV_BYTES:-6000000000}" \
+      > "$WORK/$1.shard$k.log" 2>&1 &
+    pids+=($!); shard_logs+=("$WORK/$1.shard$k.log")
+  done
+}
+
+wait_shards() {  # 0: every shard finished; 3: some stopped at STOP_AFTER; 1: a shard failed
+  local rc=0 i r
+  for i in "${!pids[@]}"; do
+    r=0; wait "${pids[$i]}" || r=$?
+    if [ $r = 3 ]; then [ $rc = 1 ] || rc=3
+    elif [ $r != 0 ]; then rc=1; echo "quality: ${shard_logs[$i]} failed (exit $r)"; fi
+    { tr '\r' '\n' < "${shard_logs[$i]}" | grep -E "^\[eval\] .*(req/s|engine up)|Error" || true; } | tail -3 \
+      | sed "s|^|[$(basename "${shard_logs[$i]}" .log)] |"
+  done
+  return $rc
+}
+
+merge() {  # NAME KV_DTYPE: one --report-only run merges the shards into the tables
+  local r=0
+  eval_args "$1" "$2"
+  python3 -m vllm_evict.cli eval "${args[@]}" --report-only > "$WORK/$1.merge.log" 2>&1 || r=$?
+  tail -5 "$WORK/$1.merge.log"
+  case $r in 0|3) return $r ;; *) return 1 ;; esac
+}
+
+finish() {  # the combined status: 0 complete, 3 incomplete (run again on the warm machine), else failed
+  case $1 in
+    0) echo "quality: complete" ;;
+    3) echo "quality: incomplete; run the same command again on the warm machine" ;;
+    *) echo "quality: eval failed (exit $1)"; exit "$1" ;;
+  esac
+}
 
 cmd=${1:-}
 case "$cmd" in
@@ -75,61 +162,39 @@ stage)    # device: keep this part in $STAGE; join once both are there
   fi
   ;;
 run)      # device: convert (once per machine), then evaluate for at most STOP_AFTER seconds
-  [ -f /tmp/vsite/READY ] || { echo "vLLM bundle missing: stage .vllm-gpu/part* first (fresh machine?)"; exit 2; }
-  [ -f "$STAGE/$GGUF_NAME" ] || { echo "GGUF missing: stage .quality-gpu/part1 and part2 first"; exit 2; }
-  export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} VLLM_USE_V2_MODEL_RUNNER=0 VLLM_USE_FLASHINFER_SAMPLER=0
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$STAGE/site" \
-    "$STAGE"/gguf-*.whl "$STAGE"/accelerate-*.whl
-  # vllm-evict from this checkout, plus a dist-info so that vLLM finds its `vllm.general_plugins` entry point
-  mkdir -p "$STAGE/site/vllm_evict-0.1.0.dist-info"
-  printf 'Metadata-Version: 2.1\nName: vllm-evict\nVersion: 0.1.0\n' > "$STAGE/site/vllm_evict-0.1.0.dist-info/METADATA"
-  printf '[vllm.general_plugins]\nvllm_evict = vllm_evict.engine.plugin:register\n' \
-    > "$STAGE/site/vllm_evict-0.1.0.dist-info/entry_points.txt"
-  # spawn: the runner touches CUDA before vLLM starts its engine-core process
-  export PYTHONPATH=$PWD:$STAGE/site:$PYTHONPATH PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
-  python3 -m vllm_evict.cli prepare-model --gguf "$STAGE/$GGUF_NAME" --cache-dir "$MODEL_DIR"
-  # shellcheck disable=SC2206
-  args=(--model "$MODEL_DIR" --tasks ${TASKS:-passkey niah_single niah_multikey niah_multivalue vt cwe}
-        --lengths ${LENGTHS:-1024 2048 4096 8192} --samples "${SAMPLES:-100}"
-        --variants ${VARIANTS:-aware agnostic} --policies ${POLICIES:-core} --allocations uniform adakv
-        --budgets ${BUDGETS:-0.05 0.1 0.2 0.4 1.0} --chunk-samples "${CHUNK:-1}"
-        --out "$WORK" --name "${NAME:-ruler_gpu}" --resume)
-  [ "${PREDICTIONS:-0}" = 1 ] || args+=(--no-predictions)
-  # WORKERS engines share the GPU to run more requests at once (docs/QUALITY.md has the rates measured),
-  # each on every WORKERS-th sample index with its own compile caches and a fixed KV cache (no memory
-  # profiling, which concurrent engines would disturb).
-  workers=${WORKERS:-6}
-  mkdir -p "$WORK"
-  pids=()
-  for k in $(seq 0 $((workers - 1))); do
-    VLLM_CACHE_ROOT=/tmp/vllm-cache/$k TRITON_CACHE_DIR=/tmp/triton-cache/$k OMP_NUM_THREADS=2 \
-      python3 -m vllm_evict.cli eval "${args[@]}" --shard "$k/$workers" --stop-after "${STOP_AFTER:-420}" \
-      --gpu-memory-utilization 0.05 --kv-cache-memory-bytes "${KV_BYTES:-6000000000}" \
-      > "$WORK/shard$k.log" 2>&1 &
-    pids+=($!)
-  done
-  rc=0
-  for k in "${!pids[@]}"; do
-    wait "${pids[$k]}" || { r=$?; [ $r = 3 ] && rc=3 || { rc=1; echo "quality: shard $k failed (exit $r)"; }; }
-    { tr '\r' '\n' < "$WORK/shard$k.log" | grep -E "^\[eval\] .*(req/s|engine up)|Error" || true; } | tail -3 \
-      | sed "s/^/[shard $k] /"
-  done
-  set +e
-  python3 -m vllm_evict.cli eval "${args[@]}" --report-only > "$WORK/merge.log" 2>&1
-  merge_rc=$?
-  set -e
-  tail -5 "$WORK/merge.log"
-  [ $merge_rc = 0 ] || [ $merge_rc = 3 ] || rc=1
-  [ $rc != 0 ] || [ $merge_rc != 3 ] || rc=3
+  setup_device
+  launch "${NAME:-ruler_gpu}" "${KV_DTYPE:-}" 0
+  rc=0; wait_shards || rc=$?
+  merge "${NAME:-ruler_gpu}" "${KV_DTYPE:-}" || { r=$?; if [ $r = 1 ] || [ $rc = 0 ]; then rc=$r; fi; }
   if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT/quality" && cp -f "$WORK"/* "$OUT/quality/"
   fi
-  case $rc in
-    0) echo "quality: complete" ;;
-    3) echo "quality: incomplete; run 'bash benchmarks/quality_gpu.sh run' again on the warm machine" ;;
-    *) echo "quality: eval failed (exit $rc)"; exit $rc ;;
-  esac
+  finish $rc
+  ;;
+fp8-needle)  # device (issue 32): the needle tasks at 10% with a bf16 and an fp8 KV cache, same samples, at once
+  # Both cache dtypes run side by side (WORKERS engines each), then merge into needle_kv_auto.* and
+  # needle_kv_fp8.* (NAME_PREFIX). What comes back: $OUT/<name>.md for each, and $OUT/needle_kv.tgz with every
+  # table, request log and shard log (a call returns at most 8 files).
+  TASKS=${TASKS:-passkey niah_single niah_multikey niah_multivalue} LENGTHS=${LENGTHS:-4096} SAMPLES=${SAMPLES:-24}
+  VARIANTS=${VARIANTS:-aware} POLICIES=${POLICIES:-snapkv dropkv keydiff} ALLOCATIONS=${ALLOCATIONS:-uniform}
+  BUDGETS=${BUDGETS:-0.1 1.0} WORKERS=${WORKERS:-3} CHUNK=${CHUNK:-4} STOP_AFTER=${STOP_AFTER:-300}
+  setup_device
+  prefix=${NAME_PREFIX:-needle_kv}
+  offset=0
+  for kvd in ${KV_DTYPES:-auto fp8}; do
+    launch "${prefix}_$kvd" "$kvd" "$offset"
+    offset=$((offset + WORKERS))
+  done
+  rc=0; wait_shards || rc=$?
+  for kvd in ${KV_DTYPES:-auto fp8}; do
+    merge "${prefix}_$kvd" "$kvd" || { r=$?; if [ $r = 1 ] || [ $rc = 0 ]; then rc=$r; fi; }
+  done
+  if [ -n "${OUT:-}" ]; then
+    for kvd in ${KV_DTYPES:-auto fp8}; do cp -f "$WORK/${prefix}_$kvd.md" "$OUT/" 2>/dev/null || true; done
+    tar -C "$WORK" -czf "$OUT/$prefix.tgz" .
+  fi
+  finish $rc
   ;;
 *)
-  sed -n '2,32p' "$0"; exit 2 ;;
+  sed -n '2,55p' "$0"; exit 2 ;;
 esac

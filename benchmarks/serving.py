@@ -11,7 +11,8 @@ Suites (`--suite`):
             (vanilla prompt K; vllm-evict prompt K/budget evicted to K per head, and prompt K not evicted).
   load      N requests of L in / O out, all submitted at t=0, ignore_eos: end-to-end output tokens/s,
             decode-phase tokens/s (steps in which no request prefilled), concurrency, and capacity
-            (most requests running before the first preemption).
+            (most requests running before the first preemption). --num-requests 0: as many requests as the
+            KV pool holds at once at this shape (decode tok/s at capacity, issue 32).
   capacity  capacity alone (max_tokens large, stop once admission stalls or a request is preempted).
 
   prefill   prefill-only passes and TTFT at batch 1 per policy, with the reported eviction latency.
@@ -19,6 +20,9 @@ Suites (`--suite`):
             (prefill-only time + decode time at the evicted KV length) on the same engine.
   decode    decode-heavy load (issue 34): the load suite once per eviction object of --decode-configs
             (decode-time eviction; vanilla runs it once without eviction).
+  limit     vanilla only (issue 34): the physical limit of decode-time eviction for that decode-heavy shape,
+            per decode budget of --decode-configs: prefill-only time + vanilla decode steps over the KV a
+            decode-budget request holds at each step (suite_limit says how).
   memory    prefill time and peak KV blocks of one request per length (--memory-lengths), with no eviction,
             one-shot and block-wise KeyDiff (--memory-budget, --chunk-size), and which lengths the KV pool
             serves at all (issue 17; the evict engine with --allow-long-prompts may exceed the pool).
@@ -229,8 +233,10 @@ def decode_variants(args):
 
 
 def run_load(args, drv: Driver, deadline: float, num_requests: int, max_tokens: int, eviction: dict | None,
-             stop_at_capacity: bool) -> dict:
-    prefix = drv.prompt(args.prompt_len - TAIL) if args.shared_prefix else None
+             stop_at_capacity: bool, shared_prefix: bool | None = None) -> dict:
+    """shared_prefix: None follows --shared-prefix (suite e2e passes False: its prompts are always distinct)."""
+    shared = args.shared_prefix if shared_prefix is None else shared_prefix
+    prefix = drv.prompt(args.prompt_len - TAIL) if shared else None
     t0 = time.perf_counter()
     ids = [drv.add(drv.prompt(args.prompt_len, prefix), max_tokens, eviction) for _ in range(num_requests)]
     steps = tokens = decode_tokens = 0
@@ -294,15 +300,67 @@ def run_load(args, drv: Driver, deadline: float, num_requests: int, max_tokens: 
 
 
 def suite_load(args, drv: Driver, deadline: float) -> dict:
-    return run_load(args, drv, deadline, args.num_requests, args.max_tokens, eviction_of(args), False)
+    """--num-requests 0: as many requests as the KV pool holds at once at this shape (fit_requests), so that
+    the decode-phase figures are those at capacity (issue 32: decode tok/s at capacity)."""
+    eviction = eviction_of(args)
+    fit = fit_requests(args, drv, eviction, args.max_tokens) if args.num_requests == 0 else None
+    out = run_load(args, drv, deadline, fit["num_requests"] if fit else args.num_requests, args.max_tokens,
+                   eviction, False)
+    if fit:
+        out["fit"] = fit
+    return out
+
+
+def held_blocks_at_end(schedule, num_tokens: int, fresh_blocks: int) -> int:
+    """Blocks a request of `num_tokens` (prompt + max_tokens) holds at its end: the last term of
+    CompactionSchedule.peak_blocks (its steady state once compacted, not the transient of a one-shot point)."""
+    bs, at, physical, index = schedule.page_size, 0, 0, 0
+    while (point := schedule.point(index)) is not None and point.at < num_tokens:
+        at, physical = point.at, point.kept if point.in_place else fresh_blocks * bs
+        index += 1
+    return -(-(physical + num_tokens - at) // bs)
+
+
+def fit_requests(args, drv: Driver, eviction: dict | None, max_tokens: int) -> dict:
+    """How many requests of --prompt-len + max_tokens the KV pool holds at once without a preemption:
+    (usable blocks - reserve) // blocks per request. Vanilla: a request holds its whole sequence. Evict: it
+    holds what its compaction schedule leaves at the end (vllm_evict's own schedule); the reserve is the
+    prompt blocks that requests still being prefilled hold before their compaction (the shared prefix once
+    with --shared-prefix, else two prompts: at most two 32K prompts prefill in one 16K-token step)."""
+    bs = drv.scheduler.block_size
+    usable = drv.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1  # less vLLM's null block
+    total = args.prompt_len + max_tokens
+    if eviction is None:
+        per, reserve = -(-total // bs), 0
+    else:
+        from vllm_evict.engine.request_config import parse_request
+        from vllm_evict.engine.scheduler import plan_eviction
+
+        ev = plan_eviction(parse_request({"vllm_evict": eviction}), args.prompt_len, bs, max_tokens=max_tokens)
+        per = -(-total // bs) if ev is None else held_blocks_at_end(ev.schedule, total, ev.blocks)
+        reserve = -(-args.prompt_len // bs) * (1 if args.shared_prefix else 2)
+    num = max(1, min(args.max_num_seqs, (usable - reserve) // per))
+    fit = {"num_requests": num, "blocks_per_request": per, "reserve_blocks": reserve, "usable_blocks": usable}
+    print(json.dumps({"fit": fit}), flush=True)
+    return fit
 
 
 def suite_decode(args, drv: Driver, deadline: float) -> dict:
     """Decode-heavy load (issue 34): --num-requests of --prompt-len in / --max-tokens out, all at t=0, once
     per eviction object of --decode-configs on one engine (vanilla: once, without eviction)."""
     configs = [None] if args.engine == "vanilla" else args.decode_configs
-    return {"runs": [run_load(args, drv, deadline, args.num_requests, args.max_tokens, config, False)
-                     for config in configs if time.time() < deadline]}
+    runs = []
+    for config in configs:
+        if time.time() > deadline:
+            break
+        try:  # a config the engine refuses (e.g. not implemented yet) costs its row, not the others
+            runs.append(run_load(args, drv, deadline, args.num_requests, args.max_tokens, config, False))
+        except Exception as exc:  # noqa: BLE001
+            runs.append({"eviction": config, "error": f"{type(exc).__name__}: {exc}"[:500]})
+            print(json.dumps(runs[-1]), flush=True)
+            if drv.engine.has_unfinished_requests():
+                drv.drain([f"q{i}" for i in range(drv.counter)])
+    return {"runs": runs}
 
 
 def suite_capacity(args, drv: Driver, deadline: float) -> dict:
@@ -326,18 +384,166 @@ def suite_e2e(args, drv: Driver, deadline: float) -> dict:
     prompts are budget*LEN tokens long (the KV an evicted request decodes over).
     limit = prefill-only wall time + that decode-phase time."""
     shapes = []
+    prompt_len = args.prompt_len  # restored for the suites after this one on the same engine
     for length, out_tokens, num in args.shapes:
         args.prompt_len = length
+        # distinct prompts whatever --shared-prefix says (it is for a load/capacity suite on the same engine)
         row = {"shape": f"{length} in / {out_tokens} out x {num}",
-               "load": run_load(args, drv, deadline, num, out_tokens, eviction_of(args), False)}
+               "load": run_load(args, drv, deadline, num, out_tokens, eviction_of(args), False, shared_prefix=False)}
         if args.engine == "vanilla":
-            row["prefill_only"] = run_load(args, drv, deadline, num, 1, None, False)
+            row["prefill_only"] = run_load(args, drv, deadline, num, 1, None, False, shared_prefix=False)
             args.prompt_len = int(round(length * args.budget))
-            row["decode_at_evicted_kv"] = run_load(args, drv, deadline, num, out_tokens, None, False)
+            row["decode_at_evicted_kv"] = run_load(args, drv, deadline, num, out_tokens, None, False,
+                                                   shared_prefix=False)
             row["limit_s"] = round(row["prefill_only"]["wall_s"] + row["decode_at_evicted_kv"]["decode_s"], 2)
         shapes.append(row)
         print(json.dumps({k: v for k, v in row.items() if k in ("shape", "limit_s")}), flush=True)
+    args.prompt_len = prompt_len
     return {"shapes": shapes}
+
+
+# ------------------------------------------------------------------ physical limit of decode-time eviction
+def decode_held_tokens(prompt_len: int, max_tokens: int, decode_budget: int, decode_every: int | None = None,
+                       page_size: int = 16, protected: int = 0) -> list[int]:
+    """KV tokens per head that a request with a decode budget attends over at each of its decode steps
+    j = 1 .. max_tokens-1 (the prefill step samples the first token), under CompactionSchedule's rule (SPEC
+    §4.8) for a request without prompt eviction and without protect_prompt, uniform allocation (Ada-KV holds
+    the same number of pages per head on average). Pure arithmetic: the vanilla engine cannot import vllm_evict;
+    tests/bench checks it against CompactionSchedule.
+
+    Step j writes token prompt+j-1, so s = prompt + j tokens are written and attended over, less the evicted
+    ones. Decode point k runs at at_k = prompt + k*C_d tokens written (right after the step that writes token
+    at_k - 1): the request then holds held = at_k - evicted tokens; if held needs more than P_d =
+    ceil(max(K_d, protected)/page) pages it keeps P_d pages (P_d*page tokens), else it keeps all.
+    `protected`: the policy's sink + window (P_d is at least those pages; irrelevant for K_d >= 1024)."""
+    every = -(-(decode_every or 128) // page_size) * page_size
+    pages = max(-(-decode_budget // page_size), -(-max(protected, 1) // page_size))
+    held_tokens, evicted, next_at = [], 0, prompt_len + every
+    for j in range(1, max_tokens):
+        written = prompt_len + j
+        while next_at < written:  # the points that ran before step j
+            held = next_at - evicted
+            if -(-held // page_size) > pages:
+                evicted += held - pages * page_size
+            next_at += every
+        held_tokens.append(written - evicted)
+    return held_tokens
+
+
+def peak_blocks_of(held_tokens: list[int], page_size: int = 16) -> int:
+    """CompactionSchedule.peak_blocks for the schedule of decode_held_tokens: the most held before a
+    compaction, or the held tokens at the end plus the last sampled token (whose KV is never written)."""
+    return -(-max(max(held_tokens), held_tokens[-1] + 1) // page_size)
+
+
+def interp(x: float, xs: list[float], ys: list[float]) -> float:
+    """Piecewise-linear through (xs, ys), xs ascending; constant beyond the ends."""
+    if x <= xs[0]:
+        return ys[0]
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+    return ys[-1]
+
+
+def decode_curve(args, drv: Driver, deadline: float, batch: int, kv_from: int, kv_to: int) -> dict:
+    """Vanilla decode step time at `batch` over KV lengths kv_from .. kv_to: `batch` fresh prompts of kv_from
+    tokens decoded for kv_to - kv_from + 16 tokens. Each decode-only step in which every request decoded is
+    timed against its mean KV length (prompt + tokens generated before the step / batch: attention reads grow
+    with the total). Steps are binned by --limit-bin KV tokens; a bin keeps its median step (robust to a host
+    hiccup) and its mean KV."""
+    ids = [drv.add(drv.prompt(kv_from), kv_to - kv_from + 16, None) for _ in range(batch)]
+    generated, points = 0, []
+    while drv.engine.has_unfinished_requests():
+        if time.time() > deadline:
+            drv.drain(ids)
+            break
+        kv = kv_from + generated / batch
+        _, dt, new, decode_only = drv.step()
+        generated += new
+        if decode_only and new == batch and len(drv.scheduler.running) == batch:
+            points.append((kv, dt))
+    points = points[2:]  # the first decode steps after a prefill still settle
+    bins: dict[int, list[tuple[float, float]]] = {}
+    for kv, dt in points:
+        bins.setdefault(int(kv // args.limit_bin), []).append((kv, dt))
+    rows = [{"kv": round(statistics.mean(kv for kv, _ in b), 1), "step_ms": round(1e3 * statistics.median(
+        dt for _, dt in b), 3), "steps": len(b)} for _, b in sorted(bins.items())]
+    fit = None
+    if len(points) > 2:  # least squares step_ms = a + b * kv, for the record (the limit interpolates the bins)
+        mx = statistics.mean(kv for kv, _ in points)
+        my = statistics.mean(1e3 * dt for _, dt in points)
+        sxx = sum((kv - mx) ** 2 for kv, _ in points)
+        slope = sum((kv - mx) * (1e3 * dt - my) for kv, dt in points) / sxx if sxx else 0.0
+        fit = {"ms_at_0": round(my - slope * mx, 3), "ms_per_1k_kv": round(1e3 * slope, 4)}
+    out = {"batch": batch, "kv_from": kv_from, "kv_to": kv_to, "timed_steps": len(points), "bins": rows,
+           "linear_fit": fit, "complete": bool(rows) and rows[-1]["kv"] >= kv_to - 2 * args.limit_bin}
+    print(json.dumps({k: v for k, v in out.items() if k != "bins"}), flush=True)
+    return out
+
+
+def decode_limit(num_requests: int, max_tokens: int, held_tokens: list[int], peak_blocks: int, usable_blocks: int,
+                 max_num_seqs: int, curves: dict[int, dict]) -> dict:
+    """The decode-phase time of an ideal evicting engine: B = min(N, max_num_seqs, usable blocks // peak
+    blocks) requests decode together, so N requests run in N // B waves of B and one of N % B (an engine that
+    admits on each request's peak never preempts; on the H200 all 256 requests fit: one wave). A wave takes
+    sum over its decode steps j of step_ms(batch, held_tokens[j]), with step_ms interpolated in the vanilla
+    curve measured at that batch, i.e. a vanilla decode step over exactly the KV the evicting request holds.
+    Compaction time is left out: it is what the evicting engine must add over the limit."""
+    batch = max(1, min(num_requests, max_num_seqs, usable_blocks // peak_blocks))
+    waves = [batch] * (num_requests // batch) + ([num_requests % batch] if num_requests % batch else [])
+    decode_s = 0.0
+    for b in waves:
+        bins = curves[b]["bins"]
+        xs, ys = [r["kv"] for r in bins], [r["step_ms"] for r in bins]
+        decode_s += sum(interp(kv, xs, ys) for kv in held_tokens) / 1e3
+    tokens = num_requests * (max_tokens - 1)
+    return {"batch": batch, "waves": waves, "decode_s": round(decode_s, 2),
+            "decode_tok_s": round(tokens / decode_s, 1) if decode_s else None}
+
+
+def suite_limit(args, drv: Driver, deadline: float) -> dict:
+    """Vanilla only (issue 34): the physical limit of decode-time eviction for --num-requests x --prompt-len
+    in / --max-tokens out, one row per distinct (decode_budget, decode_every) of --decode-configs.
+
+        limit = prefill-only time + decode time at the KV length an evicting request holds, step by step.
+
+    Prefill-only: the N prompts once with max_tokens=1 (what the first token costs; as in suite e2e). Decode:
+    decode_held_tokens gives the KV held at each of the max_tokens-1 decode steps (from prompt to P_d*16 + C_d
+    and then a saw-tooth between P_d*16 and P_d*16 + C_d: for K_d=1024 and C_d=128 the mean is about K_d +
+    C_d/2); the vanilla step time at the batch the evicting engine runs (decode_limit) is measured over that
+    KV range on this engine (decode_curve) and summed over the steps (the time-weighted average, exactly:
+    no assumption that the step is linear in KV). Compaction costs nothing in the limit."""
+    prefill = run_load(args, drv, deadline, args.num_requests, 1, None, False, shared_prefix=False)
+    bs = drv.scheduler.block_size
+    usable = drv.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1
+    configs = {}
+    for config in args.decode_configs:
+        key = (config["decode_budget"], config.get("decode_every"))
+        configs.setdefault(key, config)
+    schedules = {}
+    needed: dict[int, list[int]] = {}  # batch -> KV range to measure
+    for (budget, every), config in configs.items():
+        held = decode_held_tokens(args.prompt_len, args.max_tokens, budget, every, bs)
+        peak = peak_blocks_of(held, bs)
+        batch = max(1, min(args.num_requests, args.max_num_seqs, usable // peak))
+        schedules[(budget, every)] = (held, peak)
+        for b in {batch, args.num_requests % batch} - {0}:
+            lo, hi = needed.get(b, [min(held), max(held)])
+            needed[b] = [min(lo, min(held) - 1), max(hi, max(held))]
+    curves = {b: decode_curve(args, drv, deadline, b, lo, hi) for b, (lo, hi) in sorted(needed.items(), reverse=True)}
+    rows = []
+    for (budget, every), (held, peak) in schedules.items():
+        dec = decode_limit(args.num_requests, args.max_tokens, held, peak, usable, args.max_num_seqs, curves)
+        row = {"decode_budget": budget, "decode_every": every or 128, "held_tokens_mean": round(statistics.mean(held), 1),
+               "held_tokens_min": min(held), "held_tokens_max": max(held), "peak_blocks": peak,
+               "prefill_only_s": prefill["wall_s"], **dec, "limit_s": round(prefill["wall_s"] + dec["decode_s"], 2),
+               "complete": prefill["stop_reason"] == "all requests finished"
+               and all(curves[b]["complete"] for b in set(dec["waves"]))}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return {"limit": {"prefill_only": prefill, "curves": list(curves.values()), "rows": rows,
+                      "shape": f"{args.num_requests} x {args.prompt_len} in / {args.max_tokens} out"}}
 
 
 def suite_prefill(args, drv: Driver, deadline: float) -> dict:
@@ -428,7 +634,7 @@ def suite_memory(args, drv: Driver, deadline: float) -> dict:
 
 
 SUITES = {"latency": suite_latency, "load": suite_load, "capacity": suite_capacity, "e2e": suite_e2e,
-          "prefill": suite_prefill, "memory": suite_memory, "decode": suite_decode}
+          "prefill": suite_prefill, "memory": suite_memory, "decode": suite_decode, "limit": suite_limit}
 
 
 def run_one(args) -> dict:
@@ -443,7 +649,17 @@ def run_one(args) -> dict:
     drv = Driver(engine, args.seed)
     result: dict = {}
     for suite in args.suite.split(","):  # several suites share one engine start
+        if suite == "limit" and args.engine != "vanilla":
+            raise SystemExit("suite limit runs on the vanilla engine (the limit is vanilla's step time)")
         result.update(SUITES[suite](args, drv, deadline))
+    if "limit" in result and result.get("runs"):  # vanilla's own run of the same shape on the same engine
+        vanilla = result["runs"][0]
+        for row in result["limit"]["rows"]:
+            row["vanilla_wall_s"] = vanilla.get("wall_s")
+            row["limit_vs_vanilla"] = round(vanilla["wall_s"] / row["limit_s"], 2) if vanilla.get("wall_s") else None
+        print(json.dumps({"limit": [{k: r[k] for k in ("decode_budget", "limit_s", "vanilla_wall_s",
+                                                         "limit_vs_vanilla")} for r in result["limit"]["rows"]]}),
+              flush=True)
     result.update(engine=args.engine, suite=args.suite, policy=None if args.engine == "vanilla" else args.policy,
                   engine_start_s=start_s, kv_tokens_total=blocks * 16,
                   cudagraph_mode=str(engine.vllm_config.compilation_config.cudagraph_mode),
@@ -464,6 +680,16 @@ DECODE34_ARGS = ["--prompt-len", "1024", "--max-tokens", "2048", "--num-requests
                  "--kv-cache-memory-bytes", str(8 << 30), "--max-model-len", "4096"]
 REASONING34_ARGS = ["--prompt-len", "1024", "--max-tokens", "4096", "--num-requests", "256", "--max-model-len", "5376"]
 FP8CAP_ARGS = ["--prompt-len", "32768", "--max-tokens", "4096", "--max-model-len", "36864", "--max-num-seqs", "1024"]
+# issue 32, session 16: decode tok/s at capacity (32K in / 256 out, --num-requests 0: as many as the pool holds
+# at once, fit_requests; expected on an H200 26 / 53 / 241 / 491 for vanilla bf16 / fp8, DropKV 10% bf16 / fp8,
+# next to the capacities 27 / 53 / 258 / 527 measured with 4,096 max tokens) and the 16K x 64 / 512-out end to
+# end time with eviction's physical limit (suite e2e, DropKV 10% uniform: the `one` defaults).
+FP8LOAD_ARGS = ["--prompt-len", "32768", "--max-tokens", "256", "--num-requests", "0", "--max-model-len", "33280",
+                "--max-num-seqs", "1024"]
+FP8E2E_SHAPE = ["--shapes", "16384:512:64"]  # --max-model-len 33280: FP8LOAD_ARGS's, or given with it
+FP8 = ["--kv-cache-dtype", "fp8"]
+# issue 34, session 16: the reasoning shape's decode configs (SnapKV; DropKV + Ada-KV) and its physical limit
+REASONING34_LIMIT = ["--decode-configs", *[json.dumps({"policy": "dropkv", "decode_budget": b}) for b in (1024, 2048)]]
 PLANS = {
     # issue 13: decode-step table (batches 1..256 at 1024 KV tokens per head) and the three end-to-end shapes
     "decode13": [("vanilla", "latency", ["--ttft-cases", "--decode-batches", "1", "8", "64", "256",
@@ -576,6 +802,41 @@ PLANS = {
                  ("evict", "decode", DECODE34_ARGS + ["--decode-configs", *[
                      json.dumps({"policy": policy, "decode_budget": budget})
                      for budget in (512, 1024) for policy in ("dropkv", "snapkv")]], 330)],
+    # ---- session 16 (benchmarks/device_session16.sh lists the calls in order, with expected seconds) ----
+    # issue 32, one call per cache dtype, one engine start per engine: decode tok/s at capacity (suite load)
+    # and 16K x 64 / 512-out end to end (suite e2e; vanilla also measures the limit). --shared-prefix applies
+    # to the load suite only (suite e2e always sends distinct prompts). H200 estimate: ~330 s and ~350 s.
+    "fp8perf32a": [("vanilla", "load,e2e", FP8LOAD_ARGS + FP8E2E_SHAPE, 280),
+                   ("evict", "load,e2e", FP8LOAD_ARGS + FP8E2E_SHAPE + ["--shared-prefix"], 220)],
+    "fp8perf32b": [("vanilla", "load,e2e", FP8LOAD_ARGS + FP8E2E_SHAPE + FP8, 290),
+                   ("evict", "load,e2e", FP8LOAD_ARGS + FP8E2E_SHAPE + ["--shared-prefix"] + FP8, 230)],
+    # the same halves as separate plans (to redo one after a failed call; each costs its own engine starts)
+    "fp8load32a": [("vanilla", "load", FP8LOAD_ARGS, 180), ("evict", "load", FP8LOAD_ARGS + ["--shared-prefix"], 160)],
+    "fp8load32b": [("vanilla", "load", FP8LOAD_ARGS + FP8, 200),
+                   ("evict", "load", FP8LOAD_ARGS + ["--shared-prefix"] + FP8, 170)],
+    "fp8e2e16a": [("vanilla", "e2e", FP8E2E_SHAPE + ["--max-model-len", "33280"], 220),
+                  ("evict", "e2e", FP8E2E_SHAPE + ["--max-model-len", "33280"], 160)],
+    "fp8e2e16b": [("vanilla", "e2e", FP8E2E_SHAPE + ["--max-model-len", "33280"] + FP8, 200),
+                  ("evict", "e2e", FP8E2E_SHAPE + ["--max-model-len", "33280"] + FP8, 160)],
+    # issue 34: SnapKV at decode budgets 1024 and 2048 with vanilla in the same call (H200 estimate ~510 s:
+    # vanilla 224 s as in reasoning34, then one evict engine ~70 s + ~92 s + ~122 s)
+    "reasoning34b": [("vanilla", "decode", REASONING34_ARGS, 300),
+                     ("evict", "decode", REASONING34_ARGS + ["--decode-configs", *[
+                         json.dumps({"policy": "snapkv", "decode_budget": budget}) for budget in (1024, 2048)]], 320)],
+    # reasoning34b in two calls, for an H100 (whose vanilla alone takes ~300 s of the call)
+    "reasoning34b1": [("vanilla", "decode", REASONING34_ARGS, 360), ("evict", "decode", REASONING34_ARGS + [
+        "--decode-configs", json.dumps({"policy": "snapkv", "decode_budget": 1024})], 220)],
+    "reasoning34b2": [("vanilla", "decode", REASONING34_ARGS, 360), ("evict", "decode", REASONING34_ARGS + [
+        "--decode-configs", json.dumps({"policy": "snapkv", "decode_budget": 2048})], 260)],
+    # issue 34: the physical limit of the reasoning shape (suite limit: prefill-only time + vanilla decode
+    # steps over the KV a decode-budget request holds, step by step; see suite_limit), on the engine that also
+    # runs vanilla's own reasoning34 run, so both come from one engine (H200 estimate ~270 s)
+    "reasoning34limit": [("vanilla", "limit,decode", REASONING34_ARGS + REASONING34_LIMIT, 380)],
+    # reasoning34limit plus DropKV + Ada-KV at decode budget 1024 (Ada-KV decode budgets: if the engine still
+    # refuses them, the row records the error and the call still gives the limit; H200 estimate ~440 s)
+    "reasoning34c": [("vanilla", "limit,decode", REASONING34_ARGS + REASONING34_LIMIT, 380),
+                     ("evict", "decode", REASONING34_ARGS + ["--decode-configs", json.dumps(
+                         {"policy": "dropkv", "decode_budget": 1024, "allocation": "adakv"})], 260)],
 }
 
 
@@ -623,7 +884,7 @@ def parse_ttft(values: list[str]) -> list[tuple[int, int]]:
     return [(int(v.split("x")[0]), int(v.split("x")[1])) for v in values]
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a plan: its engines one after another, vanilla first")
@@ -643,10 +904,13 @@ def main() -> int:
     o.add_argument("--eviction-options", type=json.loads, default={},
                    help='more fields of the eviction object, as JSON: \'{"chunked": true, "chunk_size": 512}\'')
     o.add_argument("--decode-configs", nargs="+", type=json.loads, default=[],
-                   help="suite decode: eviction objects as JSON, one run each")
+                   help="suite decode: eviction objects as JSON, one run each; suite limit (vanilla): one limit "
+                        "per distinct decode_budget / decode_every among them")
+    o.add_argument("--limit-bin", type=int, default=32, help="suite limit: KV tokens per bin of the step-time curve")
     o.add_argument("--prompt-len", type=int, default=32768)
     o.add_argument("--max-tokens", type=int, default=512)
-    o.add_argument("--num-requests", type=int, default=64)
+    o.add_argument("--num-requests", type=int, default=64,
+                   help="suite load: 0 = as many as the KV pool holds at once at this shape (fit_requests)")
     o.add_argument("--shared-prefix", action="store_true")
     o.add_argument("--stall-steps", type=int, default=20)
     o.add_argument("--capacity-configs", nargs="+", type=str, default=["0.1:uniform"])
@@ -675,6 +939,11 @@ def main() -> int:
     o.add_argument("--chunk-size", type=int, default=512, help="block-wise KeyDiff chunk (suite memory)")
     o.add_argument("--time-limit", type=float, default=540)
     o.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def main() -> int:
+    ap = build_parser()
     args = ap.parse_args()
     if args.cmd == "run":
         return run_plan(args)

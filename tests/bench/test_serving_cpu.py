@@ -95,3 +95,36 @@ def test_capacity_suite_at_tensor_parallel_2(tmp_path):
     row = run["runs"][0]
     assert row["eviction"] == {"policy": "dropkv", "budget": 0.25, "allocation": "uniform"}
     assert row["capacity"] > run["kv_tokens_total"] // (768 + 64)
+
+
+def test_limit_suite_on_vanilla(tmp_path):
+    """Suite limit (issue 34) after vanilla's own decode run on one engine: the prefill-only pass, a step-time
+    curve over the KV range a decode-budget request holds, and the limit per decode budget next to vanilla's
+    wall time."""
+    config = '{"policy": "dropkv", "decode_budget": 32, "decode_every": 16}'
+    run = run_one(tmp_path, "limit", "--engine", "vanilla", "--suite", "limit,decode", "--prompt-len", "64",
+                  "--max-tokens", "100", "--num-requests", "8", "--decode-configs", config, "--limit-bin", "8")
+    limit = run["limit"]
+    assert limit["prefill_only"]["stop_reason"] == "all requests finished"
+    (curve,) = limit["curves"]
+    assert (curve["batch"], curve["kv_from"], curve["kv_to"]) == (8, 32, 80) and curve["complete"]
+    assert all(b["step_ms"] > 0 for b in curve["bins"])
+    (row,) = limit["rows"]
+    assert (row["decode_budget"], row["decode_every"], row["held_tokens_min"], row["held_tokens_max"]) == (32, 16, 33, 80)
+    assert row["waves"] == [8] and row["complete"]
+    assert row["limit_s"] == pytest.approx(row["prefill_only_s"] + row["decode_s"], abs=0.02)
+    assert row["vanilla_wall_s"] == run["runs"][0]["wall_s"] and row["limit_vs_vanilla"] > 0
+
+
+def test_load_at_capacity_and_e2e_on_one_engine(tmp_path):
+    """--num-requests 0 (issue 32: decode tok/s at capacity) sizes the load from the pool and the request's
+    compacted blocks; suite e2e after it on the same engine sends distinct prompts despite --shared-prefix."""
+    run = run_one(tmp_path, "fit", "--engine", "evict", "--suite", "load,e2e", "--prompt-len", "768",
+                  "--max-tokens", "16", "--num-requests", "0", "--shared-prefix", "--shapes", "512:8:4")
+    fit = run["fit"]
+    assert fit["num_requests"] == run["num_requests"] == 32  # COMMON's --max-num-seqs bounds it on this pool
+    assert fit["reserve_blocks"] == 768 // 16 and fit["blocks_per_request"] < 768 // 16
+    assert run["stop_reason"] == "all requests finished" and run["shared_prefix"]
+    (shape,) = run["shapes"]
+    assert shape["load"]["shared_prefix"] is False and shape["load"]["stop_reason"] == "all requests finished"
+    assert shape["load"]["prompt_len"] == 512

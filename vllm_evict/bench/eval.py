@@ -95,6 +95,7 @@ class EvalConfig:
     dtype: str | None = None                  # None: float32 on CPU, bfloat16 on GPU
     max_model_len: int | None = None          # None: longest prompt + longest answer, rounded up
     kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, vLLM's default on GPU
+    kv_cache_dtype: str | None = None         # None: vLLM's default ("auto": the model dtype); "fp8" on CUDA
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
@@ -145,7 +146,7 @@ class EvalConfig:
                  "--allocations", *self.allocations, "--budgets", *map(_fmt_budget, self.budgets),
                  "--depths", *map(str, self.depths), "--seed", str(self.seed),
                  "--out", self.out_dir, "--name", self.name]
-        for opt in ("dtype", "max_model_len", "kv_cache_memory_bytes", "gpu_memory_utilization",
+        for opt in ("dtype", "max_model_len", "kv_cache_memory_bytes", "kv_cache_dtype", "gpu_memory_utilization",
                     "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, opt)
             if value is not None:
@@ -238,7 +239,7 @@ def engine_arguments(cfg: EvalConfig, model_dir: str, samples: Sequence[Sample])
     kv = cfg.kv_cache_memory_bytes if cfg.kv_cache_memory_bytes is not None else (None if gpu else 1 << 30)
     if kv is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv)
-    for opt in ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens"):
+    for opt in ("kv_cache_dtype", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(cfg, opt) is not None:
             kwargs[opt] = getattr(cfg, opt)
     if cfg.enforce_eager:

@@ -37,6 +37,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         variants=list(args.variants), policies=_policies(args.policies), allocations=list(args.allocations),
         budgets=list(args.budgets), depths=list(args.depths), seed=args.seed, out_dir=args.out, name=args.name,
         dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching, chunk_samples=args.chunk_samples,
@@ -87,6 +88,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dtype", default=None, help="model dtype (default float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="default 1 GiB on CPU")
+    p.add_argument("--kv-cache-dtype", default=None,
+                   help="vLLM's KV cache dtype (default: vLLM's, the model dtype; 'fp8' on CUDA, issue 32). Give a "
+                        "run with another cache dtype its own --name: --resume reuses records by prompt, not by "
+                        "engine")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)

@@ -1,0 +1,125 @@
+"""benchmarks/serving.py without an engine: every plan parses, the decode-budget arithmetic of suite limit
+follows the engine's CompactionSchedule, and the limit sums a measured step-time curve as documented."""
+
+import importlib.util
+import shlex
+import statistics
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def serving():
+    spec = importlib.util.spec_from_file_location("serving_bench", ROOT / "benchmarks" / "serving.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_plan_parses(serving):
+    parser = serving.build_parser()
+    for name, plan in serving.PLANS.items():
+        assert plan and plan[0][0] == "vanilla", name  # vanilla first
+        for engine, suite, extra, seconds in plan:
+            args = parser.parse_args(["one", "--engine", engine, "--suite", suite, "--out", "x.json", *extra])
+            assert all(s in serving.SUITES for s in args.suite.split(",")), (name, suite)
+            assert not (engine == "vanilla" and args.shared_prefix), name
+            assert not (engine == "evict" and "limit" in suite.split(",")), name
+            assert 60 < seconds <= 400, name
+    parser.parse_args(["run", "--plan", "reasoning34c", "--out-dir", "x"])
+
+
+def test_session16_plans(serving):
+    plans = serving.PLANS
+    for name in ("fp8perf32a", "fp8perf32b", "fp8load32a", "fp8load32b", "fp8e2e16a", "fp8e2e16b"):
+        fp8 = name.endswith("b")
+        for engine, suite, extra, _ in plans[name]:
+            assert ("--kv-cache-dtype" in extra) == fp8, (name, engine)  # both engines of a call, one dtype
+            if "load" in suite:
+                assert extra[extra.index("--num-requests") + 1] == "0"  # at capacity
+            if "e2e" in suite:
+                assert extra[extra.index("--shapes") + 1] == "16384:512:64"
+    evict = plans["reasoning34c"][1][2]
+    assert '{"policy": "dropkv", "decode_budget": 1024, "allocation": "adakv"}' in evict
+    assert plans["reasoning34c"][0] == plans["reasoning34limit"][0]
+    assert [e for e, *_ in plans["reasoning34b"]] == ["vanilla", "evict"]
+    script = (ROOT / "benchmarks" / "device_session16.sh").read_text()
+    for name in ("fp8perf32a", "fp8perf32b", "reasoning34b", "reasoning34c", "reasoning34limit"):
+        assert f"device_session16.sh {name}" in script or name in script
+
+
+CASES = [  # prompt, max_tokens, decode_budget, decode_every
+    (1024, 4096, 1024, None), (1024, 4096, 2048, None), (1024, 600, 512, 128), (64, 200, 32, 16),
+    (100, 300, 48, 40), (1024, 4096, 8192, None),
+]
+
+
+@pytest.mark.parametrize("prompt,max_tokens,budget,every", CASES)
+def test_decode_held_tokens_follow_the_schedule(serving, prompt, max_tokens, budget, every):
+    from vllm_evict.engine.request_config import CompactionSchedule, parse_request
+
+    spec = {"policy": "dropkv", "decode_budget": budget, **({"decode_every": every} if every else {})}
+    schedule = CompactionSchedule(parse_request({"vllm_evict": spec}), prompt, 16)
+    points, index = [], 0
+    while (point := schedule.point(index)) is not None and point.at < prompt + max_tokens:
+        points.append(point)
+        index += 1
+    # step j attends over the prompt + j written tokens less what the points before it evicted
+    expected = [prompt + j - sum(p.held - p.kept for p in points if p.at < prompt + j) for j in range(1, max_tokens)]
+    held = serving.decode_held_tokens(prompt, max_tokens, budget, every, 16)
+    assert held == expected
+    assert serving.peak_blocks_of(held, 16) == schedule.peak_blocks(prompt + max_tokens, 0)
+
+
+def test_reasoning_shape_held_tokens(serving):
+    """The figures the docs quote: K_d 1024 holds 1,025..1,152 (mean ~K_d + C_d/2), K_d 2048 1,025..2,176."""
+    held = serving.decode_held_tokens(1024, 4096, 1024)
+    assert (min(held), max(held), round(statistics.mean(held), 1)) == (1025, 1152, 1088.5)
+    held = serving.decode_held_tokens(1024, 4096, 2048)
+    assert (min(held), max(held), round(statistics.mean(held), 1)) == (1025, 2176, 1968.4)
+
+
+def test_decode_limit_sums_the_curve(serving):
+    # a linear curve (a + b * kv ms) gives exactly steps * (a + b * mean held) per wave
+    curve = {"bins": [{"kv": 1000.0, "step_ms": 20.0}, {"kv": 3000.0, "step_ms": 40.0}]}
+    held = serving.decode_held_tokens(1024, 4096, 2048)
+    one = serving.decode_limit(256, 4096, held, 136, 100_000, 512, {256: curve})
+    assert one["batch"] == 256 and one["waves"] == [256]
+    assert one["decode_s"] == pytest.approx(len(held) * (20 + 0.01 * (statistics.mean(held) - 1000)) / 1e3, abs=0.01)
+    # a pool of 202 peaks: a wave of 202 and one of 54, each timed on its own batch's curve
+    slow = {"bins": [{"kv": 1000.0, "step_ms": 10.0}, {"kv": 3000.0, "step_ms": 10.0}]}
+    two = serving.decode_limit(256, 4096, held, 136, 202 * 136 + 100, 512, {202: curve, 54: slow})
+    assert two["waves"] == [202, 54]
+    assert two["decode_s"] == pytest.approx(one["decode_s"] + len(held) * 10 / 1e3, abs=0.01)
+    assert serving.interp(500, [1000, 3000], [20, 40]) == 20 and serving.interp(2000, [1000, 3000], [20, 40]) == 30
+
+
+def test_held_blocks_at_end_one_shot(serving):
+    from vllm_evict.engine.request_config import parse_request
+    from vllm_evict.engine.scheduler import plan_eviction
+
+    ev = plan_eviction(parse_request({"vllm_evict": {"policy": "dropkv", "budget": 0.1}}), 32768, 16, max_tokens=256)
+    # P fresh pages after the compaction at the end of the prompt, then the generated tokens
+    assert serving.held_blocks_at_end(ev.schedule, 32768 + 256, ev.blocks) == ev.blocks + 256 // 16
+
+
+def test_eval_kv_cache_dtype():
+    """`vllm-evict eval --kv-cache-dtype fp8` reaches the engine and the reproducing command (issue 32)."""
+    import argparse
+
+    from vllm_evict.bench.eval import EvalConfig, engine_arguments
+    from vllm_evict.bench.eval_cli import config_from_args, register
+
+    class _Sample:
+        n_prompt, max_tokens = 1000, 16
+
+    cfg = EvalConfig(kv_cache_dtype="fp8", name="needle_kv_fp8")
+    assert "--kv-cache-dtype fp8" in cfg.command()
+    assert engine_arguments(cfg, "m", [_Sample()])["kv_cache_dtype"] == "fp8"
+    assert "kv_cache_dtype" not in engine_arguments(EvalConfig(), "m", [_Sample()])
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    assert config_from_args(parser.parse_args(shlex.split(cfg.command())[1:])) == cfg
