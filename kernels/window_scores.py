@@ -14,6 +14,12 @@ Public entry points
     Same with a leading batch axis: q_window [B, w, H_q, D], keys/values [B, n, H_kv, D]
     (every request of the batch has the same n and w).
 
+Both take ``lengths`` (default None): the held counts of ragged held sets (SPEC §4.8 a), an integer
+tensor [H_kv] ([B, H_kv] batched) on the keys' device with w <= n_i <= n (not checked: reading it would
+wait for the device). KV head i then holds keys[:n_i, i] (values alike; padding after them), its window
+row t sits at n_i - w + t, and its scores are -inf at j >= n_i, as in
+``vllm_evict.policies.reference_raw_window_scores(..., lengths=...)``.
+
 Policies: snapkv, h2o, tova, dropkv, obcache-value, obcache-key, obcache-joint (SPEC §4).
 GQA: query head h belongs to KV head h // g (g = H_q / H_kv); ``gqa`` is "mean" or "max".
 
@@ -176,12 +182,21 @@ if _HAS_TRITON:
         else:
             return tl.dot(q, tl.trans(k))
 
+    @triton.jit
+    def _held_count(LENGTHS, bh, n, HAS_LENGTHS: tl.constexpr):
+        """Keys held by (batch, KV head) bh: LENGTHS[bh] for ragged held sets, else all n (also used by
+        key_scores.py)."""
+        if HAS_LENGTHS:
+            return tl.load(LENGTHS + bh).to(tl.int32)
+        else:
+            return n
+
     # Nothing that depends on the prompt length or on the number of KV heads (the engine folds layers
     # into them) is a compile-time constant or a specialized integer: one compiled variant per (policy,
     # gqa, precision, dtype, group size and head dim) serves every n and head count.
     @triton.jit(do_not_specialize=["n", "w", "H_kv", "tiles_per_split"])
     def _window_fwd_kernel(
-        Q, K, V,
+        Q, K, V, LENGTHS,
         M_PART, L_PART, ACC_PART, IDX_PART,  # split-K partials (always written; kernel C merges them)
         n, w, g, H_kv, qk_scale2,  # qk_scale2 = scale * log2(e)
         tiles_per_split,
@@ -192,6 +207,7 @@ if _HAS_TRITON:
         G_P: tl.constexpr, W_P: tl.constexpr,
         BLOCK_N: tl.constexpr,
         NEED_A: tl.constexpr, PRECISION: tl.constexpr, IS_F32: tl.constexpr, TRACK_PEAK: tl.constexpr,
+        HAS_LENGTHS: tl.constexpr,
     ):
         M_P: tl.constexpr = G_P * W_P
         bh = tl.program_id(0)
@@ -199,12 +215,13 @@ if _HAS_TRITON:
         num_splits = tl.num_programs(1)
         b = bh // H_kv
         kvh = bh % H_kv
+        n_held = _held_count(LENGTHS, bh, n, HAS_LENGTHS)
 
         rows = tl.arange(0, M_P)
         hg = rows // W_P
         t = rows % W_P
         row_valid = (hg < g) & (t < w)
-        pos = tl.where(row_valid, n - w + t, n - 1)  # causal limit of each row
+        pos = tl.where(row_valid, n_held - w + t, n_held - 1)  # causal limit of each row
         offs_d = tl.arange(0, D_P)
         d_mask = offs_d < D
 
@@ -220,10 +237,10 @@ if _HAS_TRITON:
         k_base = K + b.to(tl.int64) * skb + kvh * skh
         v_base = V + b.to(tl.int64) * svb + kvh * svh
         tile_lo = split * tiles_per_split
-        tile_hi = tl.minimum(tile_lo + tiles_per_split, tl.cdiv(n, BLOCK_N))
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, tl.cdiv(n_held, BLOCK_N))
         for tile in range(tile_lo, tile_hi):
             offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < n
+            n_mask = offs_n < n_held
             k = tl.load(k_base + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :],
                         mask=n_mask[:, None] & d_mask[None, :], other=0.0)
             s = _dot_qk(q, k, IS_F32) * qk_scale2  # log2 domain
@@ -296,7 +313,7 @@ if _HAS_TRITON:
 
     @triton.jit(do_not_specialize=["n", "w", "H_kv", "num_sub"])
     def _window_score_kernel(
-        Q, K, V, A, LSE, PEAK, PEAK_D2, PEAK_VD, OUT,
+        Q, K, V, LENGTHS, A, LSE, PEAK, PEAK_D2, PEAK_VD, OUT,
         n, w, g, H_kv, scale, inv_w, inv_g, eps, num_sub,
         sqb, sqt, sqh,
         skb, skn, skh,
@@ -306,7 +323,7 @@ if _HAS_TRITON:
         SUB_N: tl.constexpr,
         POLICY: tl.constexpr, NEED_A: tl.constexpr, NEED_V: tl.constexpr,
         GQA_MAX: tl.constexpr, PRECISION: tl.constexpr, IS_F32: tl.constexpr,
-        TRACK_PEAK: tl.constexpr, NUM_STAGES: tl.constexpr,
+        TRACK_PEAK: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_LENGTHS: tl.constexpr,
     ):
         """One program per key tile of BLOCK_N = SUB_N * num_sub keys, processed in num_sub
         sub-tiles (software-pipelined loads); q, LSE, a (and its split) are loaded once."""
@@ -320,7 +337,8 @@ if _HAS_TRITON:
         hg = rows // W_P
         t = rows % W_P
         row_valid = (hg < g) & (t < w)
-        pos = tl.where(row_valid, n - w + t, -1)  # invalid rows see nothing
+        n_held = _held_count(LENGTHS, bh, n, HAS_LENGTHS)
+        pos = tl.where(row_valid, n_held - w + t, -1)  # invalid rows see nothing
         offs_d = tl.arange(0, D_P)
         d_mask = offs_d < D
 
@@ -346,11 +364,12 @@ if _HAS_TRITON:
         for sub in tl.range(0, num_sub, num_stages=NUM_STAGES):
             offs_n = (tile * num_sub + sub) * SUB_N + tl.arange(0, SUB_N)
             n_mask = offs_n < n
+            held = offs_n < n_held
             k = tl.load(k_base + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :],
-                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+                        mask=held[:, None] & d_mask[None, :], other=0.0)
             if NEED_V:
                 v = tl.load(v_base + offs_n[:, None].to(tl.int64) * svn + offs_d[None, :],
-                            mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+                            mask=held[:, None] & d_mask[None, :], other=0.0)
                 vf = v.to(tl.float32)
                 vv = tl.sum(vf * vf, axis=1)  # ||v_j||^2 [SUB_N]
             if NEED_A:
@@ -403,6 +422,8 @@ if _HAS_TRITON:
                 raw = tl.sum(c, axis=0) * inv_g
             if POLICY == 0:
                 raw = raw * inv_w
+            if HAS_LENGTHS:  # the padding of a ragged held set is no token: -inf, as in the reference
+                raw = tl.where(held, raw, float("-inf"))
             tl.store(o_base + offs_n, raw, mask=n_mask)
 
 
@@ -443,7 +464,7 @@ def _launch_with_fallback(key, launch, params: dict, tile_key: str, stage_key: s
         return out
 
 
-def _check_inputs(policy, q, k, v, gqa):
+def _check_inputs(policy, q, k, v, gqa, lengths):
     if policy not in POLICIES:
         raise ValueError(f"unknown window policy {policy!r}; expected one of {sorted(POLICIES)}")
     if gqa not in ("mean", "max"):
@@ -460,13 +481,19 @@ def _check_inputs(policy, q, k, v, gqa):
         raise ValueError(f"q/k/v must share one dtype in (bf16, fp16, fp32), got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[1] < 1 or q.shape[1] > k.shape[1]:
         raise ValueError(f"window w={q.shape[1]} must be in [1, n={k.shape[1]}]")
+    if lengths is not None:
+        if tuple(lengths.shape) != (k.shape[0], k.shape[2]) or lengths.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"lengths must be int32/int64 [B, H_kv] = {(k.shape[0], k.shape[2])}, "
+                             f"got {lengths.dtype} {tuple(lengths.shape)}")
+        if lengths.device != k.device:
+            raise ValueError(f"lengths on {lengths.device} but keys on {k.device}")
 
 
-def _plan(policy, q_window, keys, values, scale, gqa, config):
+def _plan(policy, q_window, keys, values, scale, gqa, config, lengths):
     """Validate and compute the launch plan (shared by the stages)."""
     if not _HAS_TRITON:
         raise RuntimeError("window_scores needs Triton; use vllm_evict.policies.reference_raw_window_scores on CPU")
-    _check_inputs(policy, q_window, keys, values, gqa)
+    _check_inputs(policy, q_window, keys, values, gqa, lengths)
     if not keys.is_cuda and not _interpreting():
         raise ValueError("window_scores needs CUDA tensors (or TRITON_INTERPRET=1 for debugging)")
     cfg = config or _DEFAULT_CONFIG
@@ -495,10 +522,14 @@ def _plan(policy, q_window, keys, values, scale, gqa, config):
         pol_id=pol_id, need_a=need_a, need_v=need_v, gqa_max=(gqa == "max"),
         G_P=G_P, W_P=W_P, M_P=M_P, D_P=D_P,
         lp=_resolve(cfg, precision, need_a), sms=_sm_count(keys.device),
+        # one held count per (batch, KV head), read by program bh; a placeholder pointer without lengths
+        has_lengths=lengths is not None,
+        lengths=torch.empty(1, dtype=torch.int64, device=keys.device) if lengths is None else lengths.contiguous(),
     )
     # bf16x3 accumulates on the tensor cores, which loses more than the IEEE dot where the a.v forms cancel
     P["track_peak"] = prec == 1 and need_a
-    P["variant"] = (pol_id, gqa == "max", prec, str(keys.dtype), P["M_P"], P["D_P"], keys.device.type)
+    P["variant"] = (pol_id, gqa == "max", prec, str(keys.dtype), P["M_P"], P["D_P"], keys.device.type,
+                    P["has_lengths"])
     return P
 
 
@@ -555,7 +586,7 @@ def _forward(plan, q_window, keys, values):
         acc_part = torch.empty((BH, splits, M_P, D_P) if need_a else (1,), device=dev, dtype=torch.float32)
         idx_part = torch.empty((BH, splits, M_P) if track else (1,), device=dev, dtype=torch.int32)
         _window_fwd_kernel[(BH, splits)](
-            q_window, keys, v_a,
+            q_window, keys, v_a, P["lengths"],
             m_part, l_part, acc_part, idx_part,
             P["n"], P["w"], P["g"], P["H_kv"], P["scale"] * 1.4426950408889634,
             tiles_per_split,
@@ -564,6 +595,7 @@ def _forward(plan, q_window, keys, values):
             v_a.stride(0), v_a.stride(1), v_a.stride(2),
             D=P["D"], D_P=D_P, G_P=P["G_P"], W_P=P["W_P"], BLOCK_N=params["block_n_a"],
             NEED_A=need_a, PRECISION=P["prec"], IS_F32=P["is_f32"], TRACK_PEAK=track,
+            HAS_LENGTHS=P["has_lengths"],
             num_warps=params["num_warps_a"], num_stages=params["num_stages_a"],
         )
         block_m = min(M_P, 32)
@@ -593,7 +625,7 @@ def _score(plan, q_window, keys, values, a_buf, lse, peak, peak_d2, peak_vd, out
         num_sub = _num_sub_for(P, params["sub_n_b"])
         block_n = params["sub_n_b"] * num_sub
         _window_score_kernel[(P["BH"], triton.cdiv(P["n"], block_n))](
-            q_window, keys, v_b, a_buf, lse, peak, peak_d2, peak_vd, out,
+            q_window, keys, v_b, P["lengths"], a_buf, lse, peak, peak_d2, peak_vd, out,
             P["n"], P["w"], P["g"], P["H_kv"], P["scale"], 1.0 / P["w"], 1.0 / P["g"], EPS, num_sub,
             q_window.stride(0), q_window.stride(1), q_window.stride(2),
             keys.stride(0), keys.stride(1), keys.stride(2),
@@ -602,7 +634,7 @@ def _score(plan, q_window, keys, values, a_buf, lse, peak, peak_d2, peak_vd, out
             SUB_N=params["sub_n_b"],
             POLICY=P["pol_id"], NEED_A=P["need_a"], NEED_V=P["need_v"], GQA_MAX=P["gqa_max"],
             PRECISION=P["prec"], IS_F32=P["is_f32"], TRACK_PEAK=P["track_peak"],
-            NUM_STAGES=params["num_stages_b"],
+            NUM_STAGES=params["num_stages_b"], HAS_LENGTHS=P["has_lengths"],
             num_warps=params["num_warps_b"],
         )
         return num_sub
@@ -623,14 +655,16 @@ def window_scores_batched(
     gqa: str = "mean",
     config: WindowScoreConfig | None = None,
     out: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Batched raw window scores.
 
     q_window [B, w, H_q, D], keys/values [B, n, H_kv, D] (bf16/fp16/fp32, CUDA, unit stride on D)
     -> float32 [B, H_kv, n]: GQA-aggregated raw scores before pooling/protection.
     ``out`` (optional) is a preallocated float32 [B, H_kv, n] contiguous tensor to write into.
+    ``lengths`` (optional): held counts [B, H_kv] of ragged held sets (module docstring).
     """
-    plan = _plan(policy, q_window, keys, values, scale, gqa, config)
+    plan = _plan(policy, q_window, keys, values, scale, gqa, config, lengths)
     B, H_kv, n = plan["B"], plan["H_kv"], plan["n"]
     if out is None:
         out = torch.empty((B, H_kv, n), device=keys.device, dtype=torch.float32)
@@ -648,15 +682,17 @@ def window_scores(
     scale: float | None = None,
     gqa: str = "mean",
     config: WindowScoreConfig | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Raw window scores of one request (SPEC §2.3 steps 1-2, §4, §5).
 
     q_window [w, H_q, D], keys/values [n, H_kv, D] (bf16/fp16/fp32, CUDA)
     -> float32 [H_kv, n] = GQA-aggregated raw_j before pooling and protection.
+    ``lengths`` (optional): held counts [H_kv] of ragged held sets (module docstring).
     """
     if q_window.dim() != 3 or keys.dim() != 3 or values.dim() != 3:
         raise ValueError("expected q_window [w, H_q, D] and keys/values [n, H_kv, D]")
     return window_scores_batched(
         policy, q_window.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-        scale=scale, gqa=gqa, config=config,
+        scale=scale, gqa=gqa, config=config, lengths=None if lengths is None else lengths.unsqueeze(0),
     )[0]

@@ -38,12 +38,17 @@ CASES = [None, {"policy": "dropkv", "budget": 0.25}, {"policy": "streaming", "bu
          # decode-time eviction (SPEC §4.8): its window captures and compactions run in per-head FULL graphs
          {"policy": "keydiff", "decode_budget": 64, "decode_every": 16},
          {"policy": "random", "budget": 0.25, "decode_budget": 48, "decode_every": 32, "protect_prompt": True},
-         {"policy": "snapkv", "decode_budget": 64, "decode_every": 32}]
+         {"policy": "snapkv", "decode_budget": 64, "decode_every": 32},
+         # Ada-KV evicting again: uneven heads in per-head FULL graphs, re-laid out at every point
+         {"policy": "dropkv", "decode_budget": 64, "decode_every": 16, "allocation": "adakv"},
+         {"policy": "snapkv", "budget": 96, "chunked": True, "chunk_size": 64, "allocation": "adakv",
+          "decode_budget": 80, "decode_every": 32}]
 
 
 def prompts():
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in (300, 700, 650, 720, 500, 610, 900, 800, 400, 350, 380)]
+    return [torch.randint(3, 1000, (int(n),), generator=g).tolist()
+            for n in (300, 700, 650, 720, 500, 610, 900, 800, 400, 350, 380, 460, 640)]
 
 
 def generate(model, **engine_overrides):
@@ -76,7 +81,8 @@ def generate(model, **engine_overrides):
         with stdout_with_a_file_descriptor():
             llm = make_llm(model, dtype="bfloat16", block_size=PAGE, max_model_len=2048,
                            kv_cache_memory_bytes=1 << 30, max_num_seqs=16, seed=0, **engine_overrides)
-        params = [SamplingParams(temperature=0, max_tokens=SHORT if c and c.get("allocation") == "adakv" else LONG,
+        params = [SamplingParams(temperature=0, max_tokens=SHORT if c and c.get("allocation") == "adakv"
+                                 and "decode_budget" not in c else LONG,
                                  ignore_eos=True, logprobs=5, extra_args={"vllm_evict": c} if c else None)
                   for c in CASES]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params)

@@ -114,6 +114,30 @@ def test_every_policy_evicts_block_wise_while_prefilling(engine, reference):
         assert report["compactions"] == len(points) > 2, (case, report)
 
 
+def test_adakv_evicts_again_over_uneven_heads(engine, reference):
+    """Ada-KV (SPEC §4.8 a): after a point every head holds its own number of tokens, in per-head pages; each
+    later point scores those uneven held sets and allocates over them. Decode budgets for every policy, with
+    a one-shot or block-wise prompt eviction first, with protect_prompt, next to a uniform request."""
+    prompt = random_prompt(65, 260)
+    cases = all_policies(allocation="adakv", **DECODE) + [
+        {"policy": "snapkv", "budget": 0.25, "allocation": "adakv", **DECODE},
+        {"policy": "dropkv", "budget": 64, "allocation": "adakv", "chunked": True, "chunk_size": 48, **DECODE},
+        {"policy": "h2o", "allocation": "adakv", "decode_budget": 32, "decode_every": 32, "protect_prompt": True},
+        {"policy": "snapkv", "budget": 0.25, **DECODE}]
+    check_cases(engine, reference, prompt, cases)
+    # the test has teeth: the heads really hold different counts between points
+    keydiff = next(case for case in cases if case["policy"] == "keydiff")
+    held = reference.replay(prompt, MAX_TOKENS - 20, spec_of(keydiff), page_size=PAGE).kept_per_layer
+    assert any(len(set(layer)) > 1 for layer in held), held
+
+
+def test_every_policy_evicts_block_wise_with_adakv(engine, reference):
+    """chunked=true with Ada-KV for every policy: each chunk attends to its layer's uneven heads (per-head
+    attention during prefill), and each chunk end past P pages compacts them again."""
+    check_cases(engine, reference, random_prompt(66, 400),
+                all_policies(budget=80, chunked=True, chunk_size=48, allocation="adakv"), max_tokens=24)
+
+
 def test_a_decode_budget_covering_the_sequence_changes_nothing(engine, reference):
     """K_d >= prompt + max_tokens with no prompt eviction (or budget 1.0): the greedy tokens of no eviction."""
     prompt = random_prompt(64, 120)
@@ -142,7 +166,8 @@ def test_blocks_follow_the_schedule_every_step_and_return_after_aborts(engine):
         {"policy": "snapkv", **DECODE}, {"policy": "random", "decode_budget": 32, "decode_every": 16},
         {"policy": "dropkv", "budget": 0.2, **DECODE, "protect_prompt": True},
         {"policy": "keydiff", "budget": 64, "chunked": True, "chunk_size": 32, **DECODE},
-        {"policy": "tova", **DECODE}, {"policy": "streaming", "decode_budget": 16, "decode_every": 16}])}
+        {"policy": "tova", **DECODE}, {"policy": "streaming", "decode_budget": 16, "decode_every": 16},
+        {"policy": "h2o", "allocation": "adakv", "budget": 0.2, **DECODE}])}
     abort_at = {req_id: rng.randrange(2, 120) for req_id in ("r1", "r4", "r5")}
     for i, (req_id, case) in enumerate(cases.items()):
         llm_engine.add_request(req_id, {"prompt_token_ids": random_prompt(70 + i, 260)}, params(case, MAX_TOKENS))
@@ -160,7 +185,7 @@ def test_blocks_follow_the_schedule_every_step_and_return_after_aborts(engine):
                 decode_compacted.add(external)
             if abort_at.get(external) == steps:
                 llm_engine.abort_request([external])
-    assert decode_compacted >= {"r0", "r2", "r3"}
+    assert decode_compacted >= {"r0", "r2", "r3", "r6"}
     assert not scheduler.evictions and not scheduler.requests
     assert pool.get_num_free_blocks() == idle_free
 

@@ -38,3 +38,16 @@ def test_no_eviction(monkeypatch):
 def test_bad_parameters_raise_in_the_api_process(bad):
     with pytest.raises(ValueError):
         resolve_request(bad)
+
+
+def test_adakv_evicting_again_is_refused_under_tensor_parallelism():
+    """A rank's heads may win more Ada-KV pages than its blocks hold at an in-place point: refused under TP
+    (the request fails with the reason), accepted at TP=1."""
+    from vllm_evict.engine.request_config import parse_request
+    from vllm_evict.engine.scheduler import plan_eviction
+
+    for fields in ({"budget": 0.2, "chunked": True}, {"decode_budget": 64}):
+        spec = parse_request({"vllm_evict": {"policy": "snapkv", "allocation": "adakv", **fields}})
+        assert plan_eviction(spec, 600, 16, head_groups=1) is not None
+        with pytest.raises(ValueError, match="tensor parallelism"):
+            plan_eviction(spec, 600, 16, head_groups=2)

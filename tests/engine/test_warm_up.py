@@ -23,7 +23,12 @@ def test_warm_up_compacts_every_policy_and_allocation():
     assert any(s.spec.config.allocation == "adakv" for s in states)
     for state in states:
         assert sorted(state.layers) == [0, 1]
+        again = state.spec.config.allocation == "adakv"  # then compacted again at a decode point, in place
+        assert state.done == (2 if again else 0)
         for layer in state.layers.values():
-            assert int(layer.page_counts.sum()) == state.pages * num_kv
+            assert int(layer.page_counts.sum()) == state.pages * num_kv  # P_d = P here
             expected = torch.clamp(layer.page_counts * page, max=state.evict_at)
-            assert torch.equal(layer.kept, expected), (state.spec.config.policy, state.spec.config.allocation)
+            if again:  # a head that keeps all it held ends in a partly filled page
+                assert (layer.kept <= expected).all() and (layer.kept > expected - page).all()
+            else:
+                assert torch.equal(layer.kept, expected), (state.spec.config.policy, state.spec.config.allocation)

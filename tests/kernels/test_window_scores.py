@@ -1,12 +1,14 @@
 """Tests of the window-scoring kernels (kernels/window_scores.py) and their torch reference.
 
 CPU (CI): the reference against SPEC §7.4 worked example A, and the Triton kernels run by the
-Triton interpreter (TRITON_INTERPRET=1, subprocess, fp16/fp32 small shapes) against the reference.
+Triton interpreter (TRITON_INTERPRET=1, subprocess, fp16/fp32 small shapes, ragged held sets too)
+against the reference.
 GPU (``-m gpu``, skipped without CUDA): kernel vs reference on fresh random bf16 inputs, every
 epilogue, n in {1000, 1024, 8191, 8192, 32768}, GQA 32/8, head_dim 128 and 64, gqa mean/max:
 elementwise |S_tri - S_ref| <= 1e-3*|S_ref| + 1e-30 (SPEC §7.3), outputs poisoned with NaN
 before each run, and kept sets after pooling / protection / stable selection equal up to the
-SPEC §7.3 near-tie rule.
+SPEC §7.3 near-tie rule; and over ragged held sets (SPEC §4.8 a: per-head `lengths`), -inf in
+the padding.
 """
 
 from __future__ import annotations
@@ -191,10 +193,14 @@ _INTERP_SCRIPT = textwrap.dedent(
     from vllm_evict.policies import reference_raw_window_scores as window_scores_reference
     g = torch.Generator().manual_seed(1234)
     bad = []
-    # (n, w, H_q, H_kv, D); the interpreter's bf16 tl.dot is broken, so fp16 and fp32 are used
-    # (60, 4, 12, 6, 16): many KV heads, as when the engine folds layers into the head axis
-    for (n, w, Hq, Hkv, D) in [(100, 8, 8, 2, 32), (77, 3, 6, 2, 16), (130, 32, 4, 1, 16), (50, 1, 4, 1, 16),
-                               (60, 4, 12, 6, 16)]:
+    # (n, w, H_q, H_kv, D, held counts); the interpreter's bf16 tl.dot is broken, so fp16 and fp32 are used
+    # (60, 4, 12, 6, 16): many KV heads, as when the engine folds layers into the head axis; the last two are
+    # ragged held sets (the smallest head holds more than w keys: with n_i = w window row 0 sees key 0 alone,
+    # p = 1, and dropkv's weight 1/eps^2 amplifies rounding noise past any tolerance, reference included)
+    for (n, w, Hq, Hkv, D, held) in [(100, 8, 8, 2, 32, None), (77, 3, 6, 2, 16, None), (130, 32, 4, 1, 16, None),
+                                     (50, 1, 4, 1, 16, None), (60, 4, 12, 6, 16, None),
+                                     (70, 4, 6, 3, 16, [70, 9, 37]), (40, 1, 4, 2, 16, [2, 40])]:
+        lengths = None if held is None else torch.tensor(held)
         for dt in ((torch.float16, torch.float32) if n == 77 else (torch.float16,)):
             q = torch.randn(w, Hq, D, generator=g).to(dt)
             k = torch.randn(n, Hkv, D, generator=g).to(dt)
@@ -204,11 +210,14 @@ _INTERP_SCRIPT = textwrap.dedent(
                     for cfg in (WindowScoreConfig(block_n_a=16, sub_n_b=16, num_stages_b=1, precision="ieee"),
                                 WindowScoreConfig(block_n_a=16, sub_n_b=16, num_sub_b=4, num_splits=3, precision="bf16x3")):
                         out = torch.full((1, Hkv, n), float("nan"))
-                        window_scores_batched(pol, q[None], k[None], v[None], gqa=gqa, config=cfg, out=out)
-                        ref = window_scores_reference(pol, q, k, v, gqa=gqa)[None]
-                        ok = bool(torch.all((out - ref).abs() <= 1e-3 * ref.abs() + 1e-30))
+                        window_scores_batched(pol, q[None], k[None], v[None], gqa=gqa, config=cfg, out=out,
+                                              lengths=None if held is None else lengths[None])
+                        ref = window_scores_reference(pol, q, k, v, gqa=gqa, lengths=lengths)[None]
+                        pad = torch.isneginf(ref)  # the padding of ragged held sets
+                        ok = torch.equal(torch.isneginf(out), pad) and bool(
+                            torch.all((out[~pad] - ref[~pad]).abs() <= 1e-3 * ref[~pad].abs() + 1e-30))
                         if not ok:
-                            bad.append((n, w, Hq, Hkv, D, str(dt), pol, gqa, cfg.precision))
+                            bad.append((n, w, Hq, Hkv, D, held, str(dt), pol, gqa, cfg.precision))
     print("BAD", bad)
     sys.exit(1 if bad else 0)
     """
@@ -256,13 +265,13 @@ def _seed(*parts) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
 
-def _run_poisoned(policy, q, k, v, *, gqa="mean", config=None):
+def _run_poisoned(policy, q, k, v, *, gqa="mean", config=None, lengths=None):
     from vllm_evict.kernels.window_scores import window_scores_batched
 
     batched = q.dim() == 4
     qb, kb, vb = (q, k, v) if batched else (q[None], k[None], v[None])
     out = torch.full((kb.shape[0], kb.shape[2], kb.shape[1]), float("nan"), device=k.device)
-    window_scores_batched(policy, qb, kb, vb, gqa=gqa, config=config, out=out)
+    window_scores_batched(policy, qb, kb, vb, gqa=gqa, config=config, out=out, lengths=lengths)
     torch.cuda.synchronize()
     return out if batched else out[0]
 
@@ -357,6 +366,37 @@ def test_kernel_batched_and_strided(policy):
     tri = _run_poisoned(policy, q_view, k, v)
     for b in range(3):
         _assert_close_elementwise(tri[b], window_scores_reference(policy, q[b], k[b], v[b]))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("gqa", ["mean", "max"])
+@pytest.mark.parametrize("policy", WINDOW_POLICIES)
+def test_kernel_ragged_held_sets(policy, gqa):
+    """SPEC §4.8 a: a batch of 2 requests whose 8 KV heads hold different numbers of keys (padding after them,
+    large finite values): each head's scores equal the reference's over its held keys (SPEC §7.3), -inf in the
+    padding, and its kept sets match up to near-ties. The smallest head holds w + 5 keys (with n_i = w, window
+    row 0 sees key 0 alone: p = 1, where no fp32 dropkv score is accurate, see test_dropkv_peaked_attention)."""
+    w, kappa = DEFAULTS[policy]
+    n, H_q, H_kv, D = 3001, 32, 8, 128
+    q, k, v = make_inputs(n, w, H_q, H_kv, D, seed=_seed("ragged", policy, gqa), batch=2)
+    gen = torch.Generator().manual_seed(_seed("lengths", policy, gqa))
+    lengths = torch.randint(w + 5, n + 1, (2, H_kv), generator=gen)
+    lengths[0, 3], lengths[1, 0], lengths[1, 5] = n, w + 5, 64
+    for b in range(2):
+        for i, m in enumerate(lengths[b].tolist()):
+            k[b, m:, i], v[b, m:, i] = 30.0, -30.0
+    tri = _run_poisoned(policy, q, k, v, gqa=gqa, lengths=lengths.cuda())
+    for b in range(2):
+        ref = window_scores_reference(policy, q[b], k[b], v[b], gqa=gqa, lengths=lengths[b].cuda())
+        pad = torch.isneginf(ref)
+        assert torch.equal(torch.isneginf(tri[b]), pad) and int(pad.sum()) == H_kv * n - int(lengths[b].sum())
+        _assert_close_elementwise(tri[b][~pad], ref[~pad])
+        for i, m in enumerate(lengths[b].tolist()):
+            K = uniform_keep_count(m, 0.1, r=w, bs=16)
+            if K < m:
+                assert_kept_sets_match(pool_protect(tri[b, i:i + 1, :m], kappa=kappa, w=w),
+                                       pool_protect(ref[i:i + 1, :m], kappa=kappa, w=w), K)
 
 
 @pytest.mark.gpu

@@ -38,10 +38,11 @@ def test_num_pages_rules():
 
 
 def literal_round(x, total, p_min, p_max):
-    """SPEC §3.4 step 3, one page at a time."""
-    p = [min(max(math.floor(xi), p_min), p_max) for xi in x]
+    """SPEC §3.4 step 3, one page at a time; p_max is an int, or one per head (ragged held sets, §4.8 a)."""
+    p_max = [p_max] * len(x) if isinstance(p_max, int) else p_max
+    p = [min(max(math.floor(xi), p_min), pm) for xi, pm in zip(x, p_max)]
     while sum(p) < total:
-        cand = [i for i in range(len(x)) if p[i] < p_max]
+        cand = [i for i in range(len(x)) if p[i] < p_max[i]]
         best = max(cand, key=lambda i: (x[i] - p[i], -i))
         p[best] += 1
     while sum(p) > total:

@@ -110,7 +110,6 @@ def test_from_flat_errors(flat, needle):
         ({"policy": "snapkv", "budget": 0.1, "alpha": 1.5}, "alpha", "1.5"),
         ({"policy": "snapkv", "budget": 0.1, "alpha": -0.2}, "alpha", "-0.2"),
         ({"policy": "random", "budget": 0.1, "seed": 1.5}, "seed", "1.5"),
-        ({"policy": "keydiff", "budget": 0.1, "chunked": True, "allocation": "adakv"}, "chunked", "adakv"),
         ({"policy": "keydiff", "budget": 0.1, "chunked": "yes"}, "chunked", "yes"),
         ({"policy": "caote", "budget": 0.1, "caote_base": "keydiff"}, "caote_base", "keydiff"),
         ({"policy": "caote", "budget": 0.1, "caote_base": "knorm"}, "caote_base", "knorm"),

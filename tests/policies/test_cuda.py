@@ -47,6 +47,26 @@ def test_cuda_matches_cpu_with_tf32_requested(policy):
             near_tie_ok(ref, mr, mg.cpu(), (pr * 16).tolist())
 
 
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_ragged_held_sets_on_cuda_match_cpu(policy):
+    """SPEC §4.8 a on CUDA (lengths on the device): scores as on the CPU, -inf in the same padding, and the
+    same pages and kept sets when the pages agree."""
+    q, k, v = random_qkv(n=500, w=16, h_kv=4, g=4, d=64, seed=41, dtype=torch.bfloat16)
+    lengths = torch.tensor([500, 16, 301, 130])
+    ref = score_tokens(policy, q, k, v, lengths=lengths)
+    got = score_tokens(policy, q.cuda(), k.cuda(), v.cuda(), lengths=lengths.cuda())
+    assert torch.equal(torch.isneginf(got.cpu()), torch.isneginf(ref))
+    atol = 1e-6 if policy == "keydiff" else 1e-30
+    torch.testing.assert_close(got.cpu(), ref, rtol=1e-4, atol=atol)
+    for alloc in ("uniform", "adakv"):
+        pr = allocate_pages(ref, 64, allocation=alloc, lengths=lengths)
+        pg = allocate_pages(got, 64, allocation=alloc, lengths=lengths.cuda())
+        mr = select_tokens(ref, 64, allocation=alloc, lengths=lengths)
+        mg = select_tokens(got, 64, allocation=alloc, lengths=lengths.cuda())
+        if torch.equal(pr, pg):
+            near_tie_ok(ref, mr, mg.cpu(), torch.minimum(pr * 16, lengths).tolist())
+
+
 def test_policy_without_kernel_runs_the_reference_on_cuda(monkeypatch):
     """A window policy that does not declare `has_kernel` never reaches the registered CUDA kernel."""
     from vllm_evict.policies import register_raw_kernel
@@ -87,4 +107,20 @@ def test_engine_allocation_never_waits_for_the_device():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     want = allocate_pages(scores, 320, allocation="adakv", page_size=16, pages=20)
+    assert torch.equal(got.cpu(), want)
+    # over ragged held sets (SPEC §4.8 a) too, the padding at -inf as score_tokens leaves it
+    lengths = torch.randint(32, 2001, (4, 8), generator=gen)
+    lengths[0, 0] = 2000
+    ragged = torch.where(torch.arange(2000) < lengths.unsqueeze(-1), scores, float("-inf"))
+    for layer, heads in enumerate(lengths.tolist()):
+        for i, m in enumerate(heads):
+            ragged[layer, i, m - 32:m] = float("inf")
+    cuda_ragged, cuda_lengths = ragged.cuda(), lengths.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = adakv_pages(cuda_ragged, 20, page_size=16, alpha=0.2, max_protected=32, lengths=cuda_lengths)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = allocate_pages(ragged, 320, allocation="adakv", page_size=16, pages=20, lengths=lengths)
     assert torch.equal(got.cpu(), want)

@@ -47,8 +47,7 @@ def test_chunked_keydiff_reaches_the_engine_with_its_chunk_size():
 @pytest.mark.parametrize("bad, field", [({"chunk_size": 64}, "chunk_size"),  # without chunked=true
                                         ({"chunked": True, "chunk_size": 0}, "chunk_size"),
                                         ({"chunked": True, "chunk_size": 1 << 21}, "chunk_size"),
-                                        ({"chunked": True, "evict_at": 300}, "evict_at"),
-                                        ({"chunked": True, "allocation": "adakv"}, "chunked")])
+                                        ({"chunked": True, "evict_at": 300}, "evict_at")])
 def test_bad_chunked_settings_are_field_errors(bad, field):
     with pytest.raises(EvictionFieldError, match=field):
         resolve({"policy": "keydiff", "budget": 0.2, **bad}, {})
@@ -92,6 +91,10 @@ def test_decode_fields_reach_the_engine_with_or_without_a_prompt_budget():
     both = parse_request(to_extra_args(resolve({"policy": "random", "budget": 0.2, "decode_budget": 512,
                                                 "decode_every": 100, "protect_prompt": True, "seed": 9}, {})))
     assert (both.decode_tokens(16), both.protect_prompt, both.config.seed) == (112, True, 9)  # whole pages
+    for adakv in ({"budget": 0.2, "chunked": True}, {"budget": 0.2, "decode_budget": 256},
+                  {"decode_budget": 256, "protect_prompt": True}):  # Ada-KV evicts again too (SPEC §4.8)
+        spec = parse_request(to_extra_args(resolve({"policy": "snapkv", "allocation": "adakv", **adakv}, {})))
+        assert spec.config.allocation == "adakv" and (spec.config.chunked or spec.decode_budget == 256)
     flat = flat_request({"eviction_policy": "dropkv", "eviction_decode_budget": "256",
                          "eviction_decode_every": "64", "eviction_protect_prompt": "true", "eviction_seed": "3"})
     assert flat == {"policy": "dropkv", "decode_budget": 256, "decode_every": 64, "protect_prompt": True, "seed": 3}
@@ -104,7 +107,8 @@ def test_decode_fields_reach_the_engine_with_or_without_a_prompt_budget():
                                         ({"decode_budget": 64, "protect_prompt": "maybe"}, "protect_prompt"),
                                         ({"decode_every": 64, "budget": 0.2}, "decode_budget"),
                                         ({"protect_prompt": True, "budget": 0.2}, "decode_budget"),
-                                        ({"decode_budget": 64, "allocation": "adakv"}, "decode_budget"),
+                                        ({"decode_budget": 64, "allocation": "adakv", "budget": 0.2,
+                                          "protect_prompt": True}, "protect_prompt"),
                                         ({"decode_budget": 64, "seed": "x"}, "seed"),
                                         ({}, "budget")])  # neither budget
 def test_bad_decode_settings_are_field_errors(bad, field):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_evict.engine.per_head import head_pages
 from vllm_evict.policies import POLICIES, keep_mask, kept_counts, score_tokens
 from vllm_evict.policies.budget import adakv_pages
 from vllm_evict.policies.config import EvictionConfig
@@ -117,13 +118,16 @@ class LayerCompaction:
 def select_group(config: EvictionConfig, q_window: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
                  scale: float, page_size: int, pages: int, num_layers: int = 1,
                  heads: KVHeadGroup = KVHeadGroup(), options: dict | None = None,
-                 context: TokenContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 context: TokenContext | None = None,
+                 lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Kept mask [L*H, E] and pages per head [L*H] (int64, on the keys' device) of keys/values [E, L*H, D]
     and window queries [w, L*Hq, D] of L layers folded into the head axis (layer-major); `heads`: where
     these H heads sit among the layer's (Ada-KV allocates over all of them); `options`: score_tokens
-    options (default: the config's); `context`: where the tokens sit (the random policy)."""
+    options (default: the config's); `context`: where the tokens sit (the random policy); `lengths` [L*H]:
+    each head's candidates, the first lengths[i] of its E (None: all E; SPEC §4.8 a's uneven held sets)."""
     options = config.score_options() if options is None else options
-    scores = score_tokens(config.policy, q_window, keys, values, scale=scale, context=context, **options)
+    scores = score_tokens(config.policy, q_window, keys, values, scale=scale, context=context, lengths=lengths,
+                          **options)
     rows, n = scores.shape
     local = rows // num_layers
     ordered, order = stable_sort(scores)  # one sort per head serves the Ada-KV head counts and the kept mask
@@ -134,9 +138,10 @@ def select_group(config: EvictionConfig, q_window: torch.Tensor | None, keys: to
         # counts), so the sorted scores serve as both arguments: one all-gather under TP, not two
         ordered_all = heads.all_heads(ordered.view(num_layers, local, n))
         page_counts = adakv_pages(ordered_all, pages, page_size=page_size, alpha=config.alpha,
-                                  max_protected=config.protected_count(n), sorted_scores=ordered_all)
+                                  max_protected=config.protected_count(n), sorted_scores=ordered_all,
+                                  lengths=None if lengths is None else lengths.view(num_layers, local))
         page_counts = heads.local(page_counts).reshape(-1)
-    return keep_mask(scores, kept_counts(page_counts, n, page_size), order), page_counts
+    return keep_mask(scores, kept_counts(page_counts, n if lengths is None else lengths, page_size), order), page_counts
 
 
 def compaction_slots(keep: torch.Tensor, page_counts: torch.Tensor, fresh_blocks: torch.Tensor,
@@ -172,7 +177,7 @@ def batch_key(state) -> tuple | None:
     if POLICIES[config.policy].needs_context or state.deferred or DUMP_DIR:
         return None
     return (config, point.held, point.fixed, point.kept, point.pages, point.window, point.sink, point.in_place,
-            None if point.in_place else state.blocks)
+            None if point.in_place else state.blocks, state.stock_layout)
 
 
 def compaction_batches(states: list, num_layers: int, num_heads: int, head_dim: int, itemsize: int) -> list[list]:
@@ -181,7 +186,7 @@ def compaction_batches(states: list, num_layers: int, num_heads: int, head_dim: 
     batches, open_batches = [], {}
     for state in states:
         key = batch_key(state)
-        per_request = 2 * state.point.held * num_layers * num_heads * head_dim * itemsize
+        per_request = 2 * state.gathered_tokens * num_layers * num_heads * head_dim * itemsize
         batch = open_batches.get(key) if key is not None else None
         if batch is None or (len(batch) + 1) * per_request > GROUP_BYTES:
             batch = []
@@ -207,15 +212,19 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
 
     requests: (state, prompt_blocks, fresh_blocks) each: the worker's WorkerEviction and the blocks read /
     written, on the cache's device; the written blocks may be the first read ones (compaction in place):
-    each group is gathered whole before it is written. layers: (layer index, paged cache adapter) in layer
-    order. heads: this rank's KV heads among the layer's (tensor parallelism).
+    each group is gathered whole before it is written. A request already in per-head (Ada-KV) layout is
+    gathered head by head: each head holds its own count (SPEC §4.8 a), padded to the batch's largest.
+    layers: (layer index, paged cache adapter) in layer order. heads: this rank's KV heads among the
+    layer's (tensor parallelism).
     Fills each state.layers. Returns, for Ada-KV under TP (one request), the fresh blocks F' <= F that the
     fullest rank fills (a device scalar): the layout spans those, and the other F - F' are never written;
     else None."""
     state, cache = requests[0][0], layers[0][1]
     point, config = state.point, state.spec.config
-    held, fixed, R = point.held, point.fixed, len(requests)
+    fixed, R = point.fixed, len(requests)
     assert R == 1 or len({batch_key(s) for s, _, _ in requests} - {None}) == 1, "requests of one batch key"
+    per_head = not state.stock_layout
+    held = max(s.gathered_tokens for s, _, _ in requests)
     groups = layer_groups(layers, held * R, cache.num_heads, cache.head_dim, cache.gathered_itemsize)
     options = {**config.score_options(), "window": point.window, "sink": point.sink}
     # Ada-KV under TP: the layout spans the blocks of the fullest rank over all layers, known once every
@@ -223,7 +232,11 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     deferred = state.deferred
     selected, used = [], None
     for group in groups:
-        keys, values = _gather(cache, group, [blocks for _, blocks, _ in requests], held)
+        lengths = None
+        if per_head:
+            keys, values, lengths = _gather_heads(cache, group, requests, held)
+        else:
+            keys, values = _gather(cache, group, [blocks for _, blocks, _ in requests], held)
         G, H, D = len(group), cache.num_heads, cache.head_dim
         q_window = None
         if state.window:
@@ -235,21 +248,25 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
             q_window = q_window.flatten(1, 3)
         context = positions = None
         if POLICIES[config.policy].needs_context:  # one request (batch_key)
-            positions = _held_positions(state, point, group, H, keys.device)
+            positions = _held_positions(state, point, group, H, held, keys.device)
             context = _token_context(state, point, positions, group, heads)
         n = held - fixed  # the candidates: every held token, or under protect_prompt the generated ones
         flat = (n, R * G * H, D)
         keep, counts = select_group(config, q_window, scored_keys[fixed:].view(flat), scored_values[fixed:].view(flat), scale,
                                     state.page_size, point.pages, num_layers=R * G, heads=heads, options=options,
-                                    context=context)
+                                    context=context, lengths=None if lengths is None else (lengths - fixed).view(-1))
         keep, counts = keep.view(R, G, H, n), counts.view(R, G, H)
         if fixed:
             keep = torch.cat([keep.new_ones(R, G, H, fixed), keep], dim=-1)
         if config.allocation == "uniform":  # every head keeps point.kept tokens, in stock layout
             counts = torch.full_like(counts, -(-point.kept // state.page_size))
-        if positions is not None and config.allocation == "uniform":  # read again at the next point
+        else:  # each head's pages hold what it keeps, its protected prompt included (whole blocks: Point.kept)
+            counts = -(-keep.sum(dim=-1) // state.page_size)
+        if positions is not None:  # each head's kept positions first, in order: read again at the next point
+            order = torch.argsort(keep[0].logical_not().to(torch.uint8), dim=-1, stable=True)
+            kept_positions = positions.gather(-1, order)
             for i, (index, _) in enumerate(group):
-                state.positions[index] = positions[i][keep[0, i]].view(H, -1)
+                state.positions[index] = kept_positions[i]
             state.positions_at = point.at
         if not deferred:
             for r, (each, _, fresh_blocks) in enumerate(requests):
@@ -268,13 +285,20 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     return used
 
 
-def _held_positions(state, point, group: list, num_heads: int, device) -> torch.Tensor:
-    """Original positions [G, H, held] of what each head of a layer group holds at this point: what it held
-    after the last point, then every token since."""
-    since = torch.arange(state.positions_at, point.at, device=device)
-    empty = torch.empty(num_heads, 0, dtype=torch.int64, device=device)
-    return torch.stack([torch.cat([state.positions.get(index, empty), since.expand(num_heads, -1)], dim=1)
-                        for index, _ in group])
+def _held_positions(state, point, group: list, num_heads: int, n: int, device) -> torch.Tensor:
+    """Original positions [G, H, n] of what each head of a layer group holds at this point (padded to n):
+    what it kept at the last point, then every token since."""
+    col = torch.arange(n, device=device)
+    held = []
+    for index, _ in group:
+        kept_positions = state.positions.get(index)
+        if kept_positions is None:  # nothing compacted yet: every token from 0
+            held.append((state.positions_at + col).expand(num_heads, n))
+            continue
+        count = state.layers[index].kept.view(-1, 1)
+        earlier = kept_positions.gather(-1, col.clamp(max=kept_positions.shape[1] - 1).expand(num_heads, n))
+        held.append(torch.where(col < count, earlier, state.positions_at + col - count))
+    return torch.stack(held)
 
 
 def _token_context(state, point, positions: torch.Tensor, group: list, heads: KVHeadGroup) -> TokenContext:
@@ -297,6 +321,33 @@ def _gather(cache, group: list, blocks: list[torch.Tensor], n: int) -> tuple[tor
     for r, request_blocks in enumerate(blocks):
         cache.gather_layers(caches, request_blocks, n, keys[:, r], values[:, r])
     return keys, values
+
+
+def _gather_heads(cache, group: list, requests: list[tuple], n: int) -> tuple:
+    """keys, values [n, R, G, H, D] of what each head of R requests in per-head layout holds in a layer
+    group (zero past a head's count), and the counts [R, G, H]: the head's kept tokens at the last point,
+    then the tokens since, in its pages (per_head.head_pages over the request's blocks)."""
+    G, H, D, page = len(group), cache.num_heads, cache.head_dim, cache.page_size
+    keys = torch.zeros(n, len(requests), G, H, D, dtype=cache.dtype, device=cache.device)
+    values = torch.zeros_like(keys)
+    col = torch.arange(n, device=cache.device)
+    lengths = []
+    for r, (state, blocks, _) in enumerate(requests):
+        layouts = [state.layers[index] for index, _ in group]
+        counts = torch.stack([layout.page_counts for layout in layouts]).to(torch.int64)       # [G, H]
+        held = torch.stack([layout.kept for layout in layouts]) + (state.point.at - state.last_at)
+        fresh = torch.full((1,), state.blocks, dtype=torch.int64, device=cache.device)
+        pages = head_pages(counts.unsqueeze(-1), fresh, blocks.view(1, -1).to(torch.int64), -(-n // page))
+        slots = pages.squeeze(-2).gather(-1, (col // page).expand(G, H, n)) * page + col % page   # [G, H, n]
+        valid = (col < held.unsqueeze(-1)).permute(2, 0, 1).unsqueeze(-1)                     # [n, G, H, 1]
+        for g, (_, layer_cache) in enumerate(group):
+            k, v = layer_cache.gather_slots(slots[g].reshape(-1))
+            keys[:, r, g] = k.view(H, n, D).transpose(0, 1)
+            values[:, r, g] = v.view(H, n, D).transpose(0, 1)
+        keys[:, r].masked_fill_(~valid, 0)  # past a head's count: whatever its pages held, or unwritten bytes
+        values[:, r].masked_fill_(~valid, 0)
+        lengths.append(held)
+    return keys, values, torch.stack(lengths)
 
 
 def _write_group(state, group: list, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor,

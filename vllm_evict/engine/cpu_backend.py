@@ -24,6 +24,8 @@ class CpuPagedCache:
         self.dtype, self.device = kv_cache.dtype, kv_cache.device
         self.key, self.value = kv_cache.view(B, H, 2 * N, D).chunk(2, dim=2)
         self.key_pages, self.value_pages = kv_cache.view(B * H, 1, 2 * N, D).chunk(2, dim=2)
+        pages = kv_cache.view(B * H, 2, N * D)
+        self.page_keys, self.page_values = pages[:, 0].view(B * H, D, N), pages[:, 1].view(B * H, N, D)
         self.isa, self.k_scale, self.v_scale, self.dtype_str = isa, k_scale, v_scale, dtype_str
 
     @property
@@ -44,6 +46,11 @@ class CpuPagedCache:
         keys = keys.permute(0, 2, 1, 3).reshape(nb * N, H, D)[:n]
         values = self.value[blocks].permute(0, 2, 1, 3).reshape(nb * N, H, D)[:n]
         return keys, values
+
+    def gather_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values [M, D] at per-head slots [M] (page * N + offset)."""
+        page, offset = slots // self.page_size, slots % self.page_size
+        return self.page_keys[page, :, offset], self.page_values[page, offset]
 
     def write_tokens(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
         """Write keys/values [T, H, D] of scheduled tokens to their per-head slots [T, H]."""

@@ -79,6 +79,11 @@ class CudaPagedCache:
         pages = self.kv_cache[blocks.long()].permute(0, 2, 1, 3).reshape(nb * N, H, 2 * D)[:n]
         return pages[..., :D], pages[..., D:]
 
+    def gather_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values [M, D] (the cache's dtype) at per-head slots [M] (page * N + offset)."""
+        rows = self.kv_cache.view(-1, 2 * self.head_dim)[slots]
+        return rows[:, : self.head_dim], rows[:, self.head_dim:]
+
     def write_tokens(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
         """Write keys/values [T, H, D] of scheduled tokens to their per-head slots [T, H] (quantized as
         vLLM writes them)."""

@@ -103,29 +103,37 @@ def stacked_rows(plan, device) -> tuple[torch.Tensor, torch.Tensor]:
     return stacked
 
 
+def head_pages(counts: torch.Tensor, fresh: torch.Tensor, row_blocks: torch.Tensor, width: int) -> torch.Tensor:
+    """Page ids [..., H, R, width] (int64) of every head's virtual sequence in R rows of per-head layout:
+    its counts[..., h, r] kept pages (compaction.py's flat slots over the row's first fresh[r] blocks), then
+    slot h of the row's tail blocks. counts [..., H, R] int64, fresh [R] int64, row_blocks [R, Wb] int64
+    (the row's block ids); columns past a row's blocks repeat its last block (never read)."""
+    num_heads, device = counts.shape[-2], counts.device
+    col = torch.arange(width, device=device)
+    start = torch.cumsum(counts, -2) - counts
+    flat = start.unsqueeze(-1) + col                                            # [..., H, R, W]
+    in_kept = col < counts.unsqueeze(-1)
+    p = fresh.view(-1, 1)
+    block_col = torch.where(in_kept, flat % p, p + col - counts.unsqueeze(-1))
+    heads = torch.arange(num_heads, device=device).view(-1, 1, 1)
+    slot = torch.where(in_kept, flat // p, heads)
+    block = torch.gather(row_blocks.expand(*block_col.shape[:-2], -1, -1), -1,
+                         block_col.clamp(0, row_blocks.shape[1] - 1))
+    return block * num_heads + slot
+
+
 def compacted_batch(plan, block_table: torch.Tensor, req: torch.Tensor, positions: torch.Tensor,
                     num_heads: int) -> CompactedBatch:
-    """Tables of the per-head rows (compaction.head_pages for all of them and all layers at once)."""
+    """Tables of the per-head rows (head_pages for all of them and all layers at once)."""
     device = block_table.device
     counts, kept = stacked_rows(plan, device)                                   # [L, H, Rc]
     states = [plan.states[r] for r in plan.per_head_rows]
     rows = host_to_device(plan.per_head_rows, device)
     fresh = host_to_device([s.blocks for s in states], device)                  # F per row
-    # Host bound of a head's pages: never more than its prefix pages or F*H.
-    width = max(min(s.blocks * num_heads, -(-s.evict_at // plan.page_size)) + plan.row_blocks[r] - s.blocks
+    # Host bound of a head's pages: never more than F*H, nor the pages of every token written by its last point.
+    width = max(min(s.blocks * num_heads, -(-s.last_at // plan.page_size)) + plan.row_blocks[r] - s.blocks
                 for r, s in zip(plan.per_head_rows, states))
-    col = torch.arange(width, device=device)
-    start = torch.cumsum(counts, 1) - counts
-    flat = start.unsqueeze(-1) + col                                            # [L, H, Rc, Wc]
-    in_kept = col < counts.unsqueeze(-1)
-    p = fresh.view(-1, 1)
-    block_col = torch.where(in_kept, flat % p, p + col - counts.unsqueeze(-1))
-    heads = torch.arange(num_heads, device=device).view(1, -1, 1, 1)
-    slot = torch.where(in_kept, flat // p, heads)
-    row_blocks = block_table[rows].to(torch.int64)                              # [Rc, Wb]
-    block = torch.gather(row_blocks.expand(*block_col.shape[:2], -1, -1), 3,
-                         block_col.clamp(0, row_blocks.shape[1] - 1))
-    pages = (block * num_heads + slot).to(torch.int32)
+    pages = head_pages(counts, fresh, block_table[rows].to(torch.int64), width).to(torch.int32)
     shift = fresh.view(1, 1, -1) * plan.page_size - kept
     # Scheduled tokens of the per-head rows and their slots in every layer.
     row_of = torch.full((block_table.shape[0],), -1, dtype=torch.int64, device=device)

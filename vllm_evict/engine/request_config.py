@@ -104,8 +104,9 @@ def eviction_points(evict_at: int, pages: int, page_size: int, chunk: int) -> li
 
 @dataclass(frozen=True)
 class Point:
-    """One compaction point of a request (SPEC §4.8 d), uniform allocation: every head holds the same number
-    of tokens, in position order (a one-shot Ada-KV point keeps P pages per head on average)."""
+    """One compaction point of a request (SPEC §4.8 d). Counts are per head under uniform allocation; under
+    Ada-KV they are the averages the blocks follow (each head holds its own number, compaction.py), and
+    `kept` is whole pages, since the per-head layout fills whole blocks."""
 
     index: int          # c: the request's compaction index
     at: int             # tokens written when it runs (right after the forward that writes token at-1)
@@ -177,7 +178,12 @@ class CompactionSchedule:
         window = min(config.window_size(), candidates)
         protected = min(candidates, min(sink, candidates) + window)
         pages = max(-(-self.spec.decode_budget // bs), -(-max(protected, 1) // bs))  # P_d
-        kept = fixed + pages * bs if -(-candidates // bs) > pages else held
+        if -(-candidates // bs) <= pages:
+            kept = held
+        elif config.allocation == "adakv":  # the held prompt's pages, then P_d pages per head on average
+            kept = -(-fixed // bs) * bs + pages * bs
+        else:
+            kept = fixed + pages * bs
         return Point(index, at, held, kept, fixed, pages, window, sink, decode=True, in_place=True)
 
     def peak_blocks(self, num_tokens: int, fresh_blocks: int) -> int:
@@ -261,9 +267,10 @@ def _from_mapping(spec: Mapping[str, Any]) -> RequestEviction | None:
         return None
     if decode_budget is None and (decode_every is not None or protect_prompt):
         raise ValueError("decode_every and protect_prompt need a decode_budget")
-    if decode_budget is not None and config.allocation != "uniform":
-        raise ValueError("decode_budget runs with allocation 'uniform' only in this version (Ada-KV decode-time "
-                         f"eviction is not implemented), got allocation={config.allocation!r}")
+    if protect_prompt and config.allocation == "adakv" and config.budget is not None:
+        # an Ada-KV prompt eviction leaves every head a different number of prompt tokens to protect
+        raise ValueError("protect_prompt with allocation 'adakv' needs the prompt unevicted in this version "
+                         "(omit budget, or use allocation 'uniform')")
     if chunk_size is not None and not config.chunked:
         raise ValueError(f"chunk_size={chunk_size} needs chunked=true (block-wise eviction)")
     if config.chunked and evict_at is not None:

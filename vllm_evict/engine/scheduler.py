@@ -243,6 +243,10 @@ def plan_eviction(spec: RequestEviction, num_prompt_tokens: int, block_size: int
     if not schedule.evicts:
         return None
     blocks = pages = schedule.pages or 0
+    adakv_again = spec.config.allocation == "adakv" and (schedule.chunk or schedule.decode_every)
+    if adakv_again and head_groups > 1:  # a rank's heads may win more than its blocks hold (compaction.py)
+        raise ValueError("allocation 'adakv' with chunked=true or a decode_budget does not run under tensor "
+                         "parallelism in this version: use allocation 'uniform'")
     if pages and spec.config.allocation == "adakv" and head_groups > 1:  # a rank's heads may win all P*H_kv pages
         blocks = min(pages * head_groups, -(-schedule.evict_at // block_size))
     ev = SchedulerEviction(request=spec, schedule=schedule, blocks=blocks, window=spec.config.window_size())

@@ -32,6 +32,7 @@ from vllm_evict.engine.request_config import (PLAN_KEY, CompactionSchedule, Foll
                                               parse_request)
 
 logger = init_logger(__name__)
+_SERIALS = itertools.count()
 
 
 class WindowStore:
@@ -107,11 +108,12 @@ class WorkerEviction(FollowsSchedule):
     shift: int = 0                      # semantic minus physical positions once compacted
     prompt_block_ids: list[int] = field(default_factory=list)  # the blocks read by the compaction step
     fresh_blocks: list[int] = field(default_factory=list)  # the blocks it writes (set for that step)
-    positions: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [H, kept] original positions (random)
+    positions: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [H, n] original positions, kept first (random)
     positions_at: int = 0               # tokens written when `positions` was recorded (then all later ones held)
-    serial: int = field(default_factory=itertools.count().__next__)  # unique per eviction (cache keys)
+    serial: int = field(default_factory=lambda: next(_SERIALS))  # unique per layout (cache keys)
     failed: bool = False                # its compaction raised: it runs as stock until the scheduler ends it
     used_blocks: "HostCopy | None" = None  # Ada-KV under TP: the F' <= F fresh blocks its layout spans
+    most_kept: "HostCopy | None" = None    # per-head layout: the most tokens a head kept at the last point
 
     def __post_init__(self) -> None:
         self.blocks = self.blocks or (self.pages or 0)
@@ -139,11 +141,28 @@ class WorkerEviction(FollowsSchedule):
         """Tokens the request holds per head at its next compaction point."""
         return self.point.held
 
+    @property
+    def last_at(self) -> int:
+        """Tokens written when its last point ran (0 before the first)."""
+        return self.schedule.point(self.done - 1).at if self.done else 0
+
+    @property
+    def gathered_tokens(self) -> int:
+        """Tokens per head its next compaction gathers: what each head holds, or in per-head layout what the
+        fullest head holds (read off the last compaction's copy, done long since: no wait)."""
+        if self.stock_layout:
+            return self.point.held
+        return self.most_kept.read() + self.point.at - self.last_at
+
     def advance(self, windows: WindowStore | None = None) -> None:
         """The compaction at the next point has run: positions shift by that point minus what it holds, and
         the window rows the next point shares with this one move to their new rows."""
         point = self.point
         self.shift = point.at - (point.kept if point.in_place else self.blocks * self.page_size)
+        if point.in_place:  # its layout now spans the blocks its kept tokens fill
+            self.blocks = -(-point.kept // self.page_size)
+        if point.evicts and not self.stock_layout:  # a new per-head layout: tables built again
+            self.stacked, self.serial = None, next(_SERIALS)
         self.done += 1
         self.q_window = {}
         following = self.point
@@ -154,9 +173,10 @@ class WorkerEviction(FollowsSchedule):
     @property
     def stock_layout(self) -> bool:
         """Uniform allocation lays the kept pages out exactly like vLLM (compaction.py): after compaction
-        the request is a stock request whose positions are shifted by `shift`. So does a failed compaction
-        (no per-head layout to read) until the scheduler finishes the request with an error."""
-        return self.failed or self.spec.config.allocation == "uniform"
+        the request is a stock request whose positions are shifted by `shift`. So is a request that has not
+        been compacted yet (its points so far evicted nothing), and a failed compaction (no per-head layout
+        to read) until the scheduler finishes the request with an error."""
+        return self.failed or self.spec.config.allocation == "uniform" or not self.layers
 
 
 @dataclass
@@ -424,6 +444,9 @@ class WorkerEvictionState:
                     used = compact_one(batch, layers, scale, self.heads)
                 if used is not None:
                     batch[0].used_blocks = HostCopy(used)
+                for state in batch:
+                    if not state.stock_layout:  # the next point gathers up to its fullest head
+                        state.most_kept = HostCopy(torch.stack([c.kept for c in state.layers.values()]).amax())
             except Exception as exc:  # one batch's failure must not take the others or the engine down
                 logger.exception("vllm-evict: compaction of requests %s failed", [s.req_id for s in batch])
                 for state in batch:
@@ -548,7 +571,8 @@ def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: in
     prompt in two scratch layers of this head shape (make_cache: the backend's paged-cache adapter of a
     [blocks, H_kv, page, 2*D] cache of `dtype`, or of fp8 bytes), so that every kernel is compiled with the
     argument types the engine passes (none specialises on the prompt length or the layer count); window
-    queries of `q_dtype` (default: dtype). Returns the compacted states."""
+    queries of `q_dtype` (default: dtype). Ada-KV states then compact again in place at a decode point, the
+    path that scores uneven heads. Returns the compacted states."""
     from vllm_evict.policies import ALLOCATIONS, POLICIES
     from vllm_evict.policies.config import EvictionConfig
 
@@ -565,13 +589,21 @@ def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: in
     for policy in POLICIES:
         for allocation in ALLOCATIONS:
             config = EvictionConfig.from_dict({"policy": policy, "budget": 4 * page, "allocation": allocation})
-            spec, window = RequestEviction(config), config.window_size()
-            pages = config.num_pages(n, page)
+            again = config.allocation == "adakv"
+            spec = RequestEviction(config, decode_budget=4 * page if again else None, decode_every=page)
+            window, pages = config.window_size(), config.num_pages(n, page)
             state = WorkerEviction.for_prompt("warm-up", spec, n, page, prompt_block_ids=list(range(16)),
                                               fresh_blocks=list(range(16, 16 + pages)))
-            if window:
-                state.q_window = {i: scratch(window, num_q_heads, head_dim, to=q_dtype or dtype) for i, _ in layers}
-            compact_one([state], layers, head_dim ** -0.5)
+            for _ in range(2 if again else 1):
+                if window:
+                    state.q_window = {i: scratch(window, num_q_heads, head_dim, to=q_dtype or dtype)
+                                      for i, _ in layers}
+                compact_one([state], layers, head_dim ** -0.5)
+                if again:  # next: the decode point one page later, in place over the layout and that page
+                    state.most_kept = HostCopy(torch.stack([c.kept for c in state.layers.values()]).amax())
+                    state.advance()
+                    state.prompt_block_ids = list(range(16, 17 + pages))
+                    state.fresh_blocks = list(range(16, 16 + -(-state.point.kept // page)))
             states.append(state)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

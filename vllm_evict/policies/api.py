@@ -10,6 +10,7 @@ from ._validate import check_gqa, check_int, check_kv, check_pool_kernel, check_
 from .base import Policy
 from .budget import allocate_pages, kept_counts
 from .caote import check_base
+from .ragged import check_lengths, mask_padding
 from .registry import get_policy
 from .selection import keep_mask
 from .window import exact_fp32
@@ -25,12 +26,20 @@ def effective_policy(policy: str, caote_base: str = "snapkv") -> Policy:
     return pol
 
 
-def score_tokens(policy: str, q_window: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor, **options: object) -> torch.Tensor:
+def score_tokens(policy: str, q_window: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor, *,
+                 lengths: torch.Tensor | None = None, **options: object) -> torch.Tensor:
     """Retention scores [H_kv, n] float32, float64 for `random` (larger = keep; protected positions = +inf).
 
     q_window: [w, H_q, D] post-RoPE queries of the last w prompt positions (may be None or have any number of
     rows for key-only policies keydiff/knorm/streaming, which ignore it). keys: [n, H_kv, D]; values:
     [n, H_kv, Dv]. Any float dtype and device; computed in fp32 (TF32 off) on the input's device.
+
+    lengths: ragged held sets (SPEC §4.8 a; default None: every head holds all n tokens). An integer tensor
+    [H_kv] on the keys' device with w <= lengths[i] <= n (values checked on the CPU only): KV head i holds the
+    n_i = lengths[i] tokens keys[:n_i, i] (values alike; any finite values after them), and the window rows
+    are the last w held tokens of every head. Row i of the result is, in columns [:n_i], the scores of a call
+    on head i alone over its held tokens (keys[:n_i, i:i+1], values[:n_i, i:i+1], its query heads, the same
+    options; `context` positions padded like the keys), and -inf in columns [n_i:].
 
     Options (defaults: the policy's SPEC §4 values):
       window       query-based: use the last `window` rows of q_window (default: all rows, w = q rows);
@@ -71,6 +80,8 @@ def score_tokens(policy: str, q_window: torch.Tensor | None, keys: torch.Tensor,
     else:
         w = 0 if window is None else window
         q = q_window
+    if lengths is not None:
+        check_lengths(lengths, keys.shape[1], n, device=keys.device, minimum=max(w, 1))
 
     pool_kernel = options.get("pool_kernel")
     pool_kernel = eff.default_pool_kernel if pool_kernel is None else check_pool_kernel(pool_kernel)
@@ -88,7 +99,7 @@ def score_tokens(policy: str, q_window: torch.Tensor | None, keys: torch.Tensor,
 
     with exact_fp32(keys.device):
         out = pol.score(q, keys, values, window=w, pool_kernel=pool_kernel, sink=sink, gqa=gqa, scale=float(scale),
-                        caote_base=caote_base, context=options.get("context"))
+                        caote_base=caote_base, context=options.get("context"), lengths=lengths)
     # random's 32-bit hash scores need float64 to stay distinct (SPEC §4.8 e)
     return (out if out.dtype == torch.float64 else out.to(torch.float32)).contiguous()
 
@@ -100,11 +111,16 @@ def select_tokens(
     allocation: str = "uniform",
     page_size: int = 16,
     alpha: float = 0.2,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Kept-token mask [H_kv, n] (True = kept) for final scores [H_kv, n] (SPEC §3, §7.1).
 
     Head i keeps its K_i = min(n, p_i * page_size) best tokens (p_i from allocate_pages; all n when nothing
     is evicted) in a stable descending order of its scores: equal scores keep the lower position.
+    lengths: ragged held sets (SPEC §4.8 a; see allocate_pages): head i holds its first n_i scores, keeps
+    K_i = min(n_i, p_i * page_size) of them, and never its padding.
     """
-    pages = allocate_pages(scores, budget, allocation=allocation, page_size=page_size, alpha=alpha)  # validates
-    return keep_mask(scores, kept_counts(pages, scores.shape[1], page_size))
+    pages = allocate_pages(scores, budget, allocation=allocation, page_size=page_size, alpha=alpha,
+                           lengths=lengths)  # validates
+    held = scores.shape[1] if lengths is None else lengths
+    return keep_mask(mask_padding(scores, lengths), kept_counts(pages, held, page_size))

@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from ._validate import INT_MAX, is_int, is_real
+from .ragged import check_lengths, mask_padding
 
 ALLOCATIONS = ("uniform", "adakv")
 
@@ -90,18 +91,20 @@ def _check_alloc(allocation: object, page_size: object, alpha: object) -> None:
         raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
 
 
-def _round_units(num: torch.Tensor, den: int, total: torch.Tensor, p_min: torch.Tensor, p_max: int,
+def _round_units(num: torch.Tensor, den: int, total: torch.Tensor, p_min: torch.Tensor, p_max: int | torch.Tensor,
                  units: int) -> torch.Tensor:
     """SPEC §3.4 step 3 for x = num / den (num int64 [L, H] >= 0, sum_i x = total [L]) with bounds p_min [L]
-    and p_max, in integer tensor arithmetic on num's device, without host synchronisation.
+    and p_max (an int, or int64 [L, H] per head), in integer tensor arithmetic on num's device, without host
+    synchronisation.
 
     The one-page-at-a-time loop is a selection: head i's m-th extra page has priority x_i - p_i - m (the loop
     picks the largest, equal: lower head), its m-th page given back x_i - p_i + m (smallest first, equal:
     higher head). A head's priorities are monotone in m, so the loop's `count` steps take the `count` best
     units over all heads: a stable sort of [L, H * units] each way. `units` must bound what one head takes or gives
-    (allocate_pages: H * p_min at most)."""
+    (allocate_pages: H * p_min at most; over ragged held sets, its p_max,i <= ceil(n/bs) at most)."""
     num_layers, h = num.shape
     p = torch.clamp(torch.maximum(num // den, p_min.view(-1, 1)), max=p_max)
+    p_max = p_max if isinstance(p_max, int) else p_max.unsqueeze(-1)
     deficit = (total - p.sum(dim=1)).view(-1, 1)  # > 0: pages to add; < 0: pages to give back
     m = torch.arange(units, device=num.device)
     rank = torch.arange(h * units, device=num.device)
@@ -132,6 +135,7 @@ def allocate_pages(
     page_size: int = 16,
     alpha: float = 0.2,
     pages: int | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pages per KV head p_i (CPU int64 [H_kv]) for final scores [H_kv, n] (protected = +inf); or
     [L, H_kv] for scores [L, H_kv, n], each layer allocated on its own. P per layer comes from the budget
@@ -139,44 +143,76 @@ def allocate_pages(
 
     When nothing is evicted (num_pages is None) every head gets p_max = ceil(n/bs) pages, i.e. keeps all n.
     Kept tokens of head i: K_i = min(n, p_i * page_size).
+
+    lengths: ragged held sets (SPEC §4.8 a): an integer tensor [H_kv] (for [L, H_kv, n] scores [L, H_kv], or
+    [L*H_kv] layer-major) with 1 <= n_i <= n; head i holds its first n_i scores, the rest is padding and never
+    counts. n is replaced by n_i per head: p_max,i = ceil(n_i/bs), K_i = min(n_i, p_i * page_size); a float
+    budget is a ratio of the layer's longest held set. Uniform: p_i = min(P, p_max,i). Ada-KV: a layer whose
+    held pages sum_i p_max,i fit its P*H_kv evicts nothing (p_i = p_max,i), any other runs SPEC §3.4 over the
+    held scores.
     """
     scores = _check_scores(scores)
     check_budget(budget)
     _check_alloc(allocation, page_size, alpha)
     layers = scores.unsqueeze(0) if scores.dim() == 2 else scores
     num_layers, h, n = layers.shape
+    if lengths is None:
+        held = torch.full((num_layers, h), n)
+    else:
+        held = check_lengths(lengths, num_layers * h, n, read=True).to("cpu", torch.int64).reshape(num_layers, h)
+        layers = mask_padding(layers, lengths)
     if bool(torch.isnan(layers).any()):
         raise ValueError("scores contain NaN (a scoring bug; SPEC §7.1)")
     r = torch.isposinf(layers).sum(dim=-1).amax(dim=-1).tolist()
-    per_layer = [num_pages(n, budget, page_size, ri) if pages is None else pages for ri in r]
-    p_max = -(-n // page_size)
-    if pages is not None and pages > p_max:
-        raise ValueError(f"pages={pages} exceeds the {p_max} pages of n={n} tokens")
-    out = torch.tensor([[p_max if p is None else p] * h for p in per_layer], dtype=torch.long)
-    rows = [i for i, p in enumerate(per_layer) if p is not None and p < p_max]
-    if allocation == "adakv" and h > 1 and rows:
-        index = torch.tensor(rows, device=layers.device)
-        out[rows] = adakv_pages(layers[index], [per_layer[i] for i in rows], page_size=page_size, alpha=alpha,
-                                max_protected=max(r)).cpu()
+    if pages is not None and pages > -(-n // page_size):
+        raise ValueError(f"pages={pages} exceeds the {-(-n // page_size)} pages of n={n} tokens")
+    p_max = (held + page_size - 1) // page_size
+    per_layer = [num_pages(int(longest), budget, page_size, ri) if pages is None else pages
+                 for longest, ri in zip(held.amax(dim=1), r)]
+    # P of a layer that evicts nothing: its longest head's pages, so that every head keeps all it holds
+    total = torch.tensor([[int(pm.max()) if p is None else p] for p, pm in zip(per_layer, p_max)])
+    out = torch.minimum(total, p_max)
+    if allocation == "adakv" and h > 1:
+        fits = p_max.sum(dim=1, keepdim=True) <= total * h  # SPEC §4.8 a: the layer evicts nothing
+        out = torch.where(fits, p_max, out)
+        rows = (~fits).flatten().nonzero().flatten().tolist()
+        if rows:
+            index = torch.tensor(rows, device=layers.device)
+            out[rows] = adakv_pages(layers[index], total[rows].flatten().tolist(), page_size=page_size, alpha=alpha,
+                                    max_protected=max(r),
+                                    lengths=None if lengths is None else held[rows].to(layers.device)).cpu()
     return out[0] if scores.dim() == 2 else out
 
 
 def adakv_pages(scores: torch.Tensor, pages: int | list[int], *, page_size: int, alpha: float, max_protected: int,
-                sorted_scores: torch.Tensor | None = None) -> torch.Tensor:
+                sorted_scores: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Ada-KV pages per head (SPEC §3.4) [L, H] (int64, on the scores' device) for scores [L, H, n] with
     P = `pages` (one int, or one per layer; P * page_size < n), without host synchronisation.
 
     `sorted_scores`: each head's scores in descending order, when the caller sorted them already (the
     engine does, for its kept masks). r is read off the scores per layer, as the reference does;
     `max_protected` (the engine: the config's r) bounds it, which bounds the units of the rounding's sort.
-    alpha is exact as the decimal it prints as."""
+    alpha is exact as the decimal it prints as.
+
+    `lengths`: ragged held sets (SPEC §4.8 a): held counts [L, H] (or [L*H], layer-major) on the scores'
+    device; head i's scores past its n_i are padding and must be -inf (score_tokens' are). The global top-B
+    then counts held entries only (all of them when B exceeds their number), p_max,i = ceil(n_i/bs), and a
+    layer whose held pages sum_i p_max,i fit its P*H evicts nothing (p_i = p_max,i; P * page_size < n is not
+    required)."""
     num_layers, h, n = scores.shape
     device = scores.device
     per_layer = [pages] * num_layers if isinstance(pages, int) else list(pages)
     a = Fraction(repr(float(alpha)))
     # x_i = ((1-a) f_i + a B/H) / bs with B = P*H*bs, over the common denominator q*H*bs
     q, p_min_cap = a.denominator, -(-max(max_protected, 1) // page_size)
-    units = h * p_min_cap
+    if lengths is None:
+        held, p_max, units = None, -(-n // page_size), h * p_min_cap
+    else:
+        held = lengths.to(device, torch.int64).reshape(num_layers, h)
+        p_max = (held + page_size - 1) // page_size
+        # a head clamped at its p_max,i (it holds less than its safeguard share) leaves pages to the others: a head
+        # may take (or give) up to all its pages
+        units = -(-n // page_size)
     if q * h * (2 * n + (units + 1) * page_size) >= 1 << 62:
         raise ValueError(f"alpha={alpha!r} has too many decimal digits for exact page rounding at n={n}")
     if sorted_scores is None:
@@ -185,7 +221,8 @@ def adakv_pages(scores: torch.Tensor, pages: int | list[int], *, page_size: int,
     for p in set(per_layer):  # the engine: one P for all layers
         rows = [i for i, pi in enumerate(per_layer) if pi == p]
         index = torch.tensor(rows, device=device) if len(rows) < num_layers else slice(None)
-        f[index] = _head_counts(scores[index], sorted_scores[index], p * h * page_size)
+        f[index] = _head_counts(scores[index], sorted_scores[index], p * h * page_size,
+                                None if held is None else held[index])
     if isinstance(pages, int):  # built on the device: a pageable host-to-device copy would wait for the stream
         pages_t = torch.full((num_layers,), pages, dtype=torch.int64, device=device)
     else:
@@ -193,23 +230,35 @@ def adakv_pages(scores: torch.Tensor, pages: int | list[int], *, page_size: int,
     num = (q - a.numerator) * h * f + (a.numerator * h * page_size) * pages_t.view(-1, 1)
     r = torch.isposinf(scores).sum(dim=-1).amax(dim=-1)
     p_min = torch.clamp((torch.clamp(r, min=1) + page_size - 1) // page_size, max=p_min_cap)
-    return _round_units(num, q * h * page_size, pages_t * h, p_min, -(-n // page_size), units)
+    out = _round_units(num, q * h * page_size, pages_t * h, p_min, p_max, units)
+    if held is None:
+        return out
+    return torch.where(p_max.sum(dim=1, keepdim=True) <= pages_t.view(-1, 1) * h, p_max, out)
 
 
-def _head_counts(scores: torch.Tensor, sorted_scores: torch.Tensor, top: int) -> torch.Tensor:
+def _head_counts(scores: torch.Tensor, sorted_scores: torch.Tensor, top: int,
+                 held: torch.Tensor | None = None) -> torch.Tensor:
     """SPEC §3.4 step 1: f [L, H], each head's share of its layer's global stable top-`top` over the
     head-major flattening of scores [L, H, n] (ties: lower flat index first), from the B-th largest score
-    tau and each head's counts above and at tau in its descending scores, without a global sort."""
+    tau and each head's counts above and at tau in its descending scores, without a global sort.
+
+    `held` [L, H]: held counts of ragged held sets, whose -inf padding is no entry (it never takes a tie; when
+    `top` exceeds a layer's held entries, all of them count)."""
     num_layers, h, n = scores.shape
+    top = min(top, h * n)
     tau = torch.kthvalue(scores.reshape(num_layers, h * n), h * n - top + 1, dim=1).values
     ascending = -sorted_scores
     at = (-tau).view(-1, 1, 1).expand(num_layers, h, 1).contiguous()
     above = torch.searchsorted(ascending, at, right=False).view(num_layers, h)   # scores > tau
     ties = torch.searchsorted(ascending, at, right=True).view(num_layers, h) - above
+    if held is not None:
+        ties = torch.minimum(ties, held - above)  # -inf padding sorts after the held entries
     need = top - above.sum(dim=1, keepdim=True)  # entries equal to tau in the top: lower heads take them first
     return above + torch.clamp(need - (torch.cumsum(ties, dim=1) - ties), min=0).minimum(ties)
 
 
-def kept_counts(pages: torch.Tensor, n: int, page_size: int = 16) -> torch.Tensor:
-    """K_i = min(n, p_i * bs)."""
-    return torch.clamp(pages.to(torch.long) * page_size, max=n)
+def kept_counts(pages: torch.Tensor, n: int | torch.Tensor, page_size: int = 16) -> torch.Tensor:
+    """K_i = min(n_i, p_i * bs): n is an int (every head holds n tokens) or, for ragged held sets (SPEC §4.8 a),
+    the held counts n_i: a tensor with one entry per entry of pages."""
+    kept = pages.to(torch.long) * page_size
+    return torch.clamp(kept, max=n if is_int(n) else n.to(kept.device, torch.long).reshape(kept.shape))

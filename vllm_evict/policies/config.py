@@ -68,9 +68,6 @@ class EvictionConfig:
             object.__setattr__(self, "seed", check_int("seed", self.seed))
         if not POLICIES[self.policy].supports_adakv:
             object.__setattr__(self, "allocation", "uniform")
-        if self.chunked and self.allocation != "uniform":
-            raise ValueError(f"chunked=true runs with allocation 'uniform' only in this version (Ada-KV "
-                             f"block-wise eviction is not implemented), got allocation={self.allocation!r}")
 
     # ------------------------------------------------------------------ construction
     @classmethod

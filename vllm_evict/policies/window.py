@@ -13,6 +13,10 @@ largest thing materialised; heads are processed one at a time.
 `raw_window_scores` is the one function that computes the per-KV-head raw scores (GQA-aggregated, before
 pooling) of snapkv, h2o, tova, dropkv and obcache-value/key/joint. A CUDA kernel can be plugged in with
 `register_raw_kernel`; `reference_raw_window_scores` always runs the torch reference.
+
+Ragged held sets (SPEC §4.8 a, ragged.py): with `lengths`, KV head i holds its first n_i keys; the window
+rows are the last w held tokens of every head, so row t sits at n_i - w + t and sees j <= n_i - w + t. Its raw
+scores are those of head i alone over its n_i keys, and -inf in the padding.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Callable, Iterator
 import torch
 
 from ._validate import check_gqa, check_kv, check_queries
+from .ragged import check_lengths, map_heads
 
 RawKernel = Callable[..., torch.Tensor]
 _RAW_KERNEL: RawKernel | None = None
@@ -34,8 +39,9 @@ def register_raw_kernel(fn: RawKernel | None) -> None:
     """Install (or with None remove) a CUDA implementation used by raw_window_scores for CUDA inputs of
     the policies that declare `has_kernel` (the others run the torch reference).
 
-    It is called as fn(policy_name, q_window, keys, values, scale=..., gqa=...) with validated inputs
-    in their original dtype and must return float32 [H_kv, n] equal to the reference within SPEC §7.3.
+    It is called as fn(policy_name, q_window, keys, values, scale=..., gqa=..., lengths=...) with validated
+    inputs in their original dtype (lengths: None, or the held counts [H_kv] of ragged held sets) and must
+    return float32 [H_kv, n] equal to the reference within SPEC §7.3 (-inf in the padding).
     """
     global _RAW_KERNEL
     _RAW_KERNEL = fn
@@ -126,13 +132,15 @@ def _resolve(policy: object):
     return pol
 
 
-def _check(q_window, keys, values, scale, gqa) -> float:
-    check_kv(keys, values)
+def _check(q_window, keys, values, scale, gqa, lengths) -> float:
+    n, h_kv = check_kv(keys, values)
     w, _ = check_queries(q_window, keys)
     if w < 1:
         raise ValueError(f"need at least one window query row, got w={w}")
-    if w > keys.shape[0]:
-        raise ValueError(f"window w={w} is larger than the prompt length n={keys.shape[0]}")
+    if w > n:
+        raise ValueError(f"window w={w} is larger than the prompt length n={n}")
+    if lengths is not None:
+        check_lengths(lengths, h_kv, n, device=keys.device, minimum=w)
     check_gqa(gqa)
     if scale is None:
         return 1.0 / math.sqrt(keys.shape[-1])
@@ -143,29 +151,35 @@ def _check(q_window, keys, values, scale, gqa) -> float:
 
 def reference_raw_window_scores(
     policy: object, q_window: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: float | None = None,
-    gqa: str = "mean", dtype: torch.dtype = torch.float32,
+    gqa: str = "mean", dtype: torch.dtype = torch.float32, lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference of raw_window_scores, whatever the device: fp32 (SPEC §7.2; TF32 off), or fp64 when
     asked. It is also the reference of the Triton kernels (tests/kernels/test_window_scores.py): the raw
     scores are written once, in each policy's `head_raw`."""
     pol = _resolve(policy)
-    s = _check(q_window, keys, values, scale, gqa)
+    s = _check(q_window, keys, values, scale, gqa, lengths)
+
+    def head(heads: slice, m: int) -> torch.Tensor:  # one KV head over its first m keys
+        st = window_stats(q_window, keys[:m], values[:m], heads.start, s, dtype)
+        return aggregate_gqa(pol.head_raw(st), gqa).unsqueeze(0)
+
     with exact_fp32(keys.device):
-        out = [aggregate_gqa(pol.head_raw(window_stats(q_window, keys, values, i, s, dtype)), gqa)
-               for i in range(keys.shape[1])]
-    return torch.stack(out).contiguous()
+        return map_heads(head, keys.shape[1], keys.shape[0], lengths, chunk=1).contiguous()
 
 
 def raw_window_scores(
-    policy: object, q_window: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: float | None = None, gqa: str = "mean"
+    policy: object, q_window: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: float | None = None,
+    gqa: str = "mean", lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Raw per-KV-head score [H_kv, n] float32 (after GQA aggregation, before pooling and protection).
 
     q_window [w, H_q, D] holds exactly the w window rows (positions n-w..n-1); keys [n, H_kv, D];
     values [n, H_kv, Dv]; scale defaults to 1/sqrt(D). Query head h belongs to KV head h // (H_q/H_kv).
+    lengths: None, or int64 [H_kv] on the keys' device, w <= n_i <= n: the held counts of ragged held sets
+    (module docstring); the scores are then -inf at j >= n_i.
     """
     pol = _resolve(policy)
-    s = _check(q_window, keys, values, scale, gqa)
+    s = _check(q_window, keys, values, scale, gqa, lengths)
     if _RAW_KERNEL is not None and keys.is_cuda and pol.has_kernel:
-        return _RAW_KERNEL(pol.name, q_window, keys, values, scale=s, gqa=gqa)
-    return reference_raw_window_scores(pol, q_window, keys, values, scale=s, gqa=gqa)
+        return _RAW_KERNEL(pol.name, q_window, keys, values, scale=s, gqa=gqa, lengths=lengths)
+    return reference_raw_window_scores(pol, q_window, keys, values, scale=s, gqa=gqa, lengths=lengths)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from vllm_evict.policies import EvictionConfig, score_tokens, select_tokens
 
@@ -57,9 +58,9 @@ class ReferenceDecoder:
         hidden = hidden + layer.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
-    def _attend(self, q, keys, values, causal_offset: int | None):
+    def _attend(self, q, keys, values, causal_offset: int | list[int] | None):
         """q [T, Hq, D]; keys/values per KV head: lists of [L_h, D]. With causal_offset, query t sees
-        the first causal_offset + t + 1 keys of every head (prefill); else all keys (decode)."""
+        the first causal_offset + t + 1 keys of every head (prefill; a list: per head); else all keys (decode)."""
         g = self.num_heads // self.num_kv_heads
         out = torch.empty_like(q)
         for h in range(self.num_kv_heads):
@@ -67,7 +68,8 @@ class ReferenceDecoder:
             logits = torch.einsum("tgd,ld->tgl", qh, keys[h]) * self.scale
             if causal_offset is not None:
                 T, L = q.shape[0], keys[h].shape[0]
-                mask = torch.arange(L, device=q.device)[None, :] > (causal_offset + torch.arange(T, device=q.device))[:, None]
+                offset = causal_offset[h] if isinstance(causal_offset, list) else causal_offset
+                mask = torch.arange(L, device=q.device)[None, :] > (offset + torch.arange(T, device=q.device))[:, None]
                 logits = logits.masked_fill(mask[:, None, :], float("-inf"))
             out[:, h * g: (h + 1) * g] = torch.einsum("tgl,ld->tgd", logits.softmax(-1), values[h])
         return out
@@ -119,8 +121,8 @@ class ReferenceDecoder:
 
     @torch.no_grad()
     def replay(self, prompt_ids: list[int], max_tokens: int, spec, page_size: int = 16) -> ReferenceResult:
-        """Greedy tokens of a request that compacts at SPEC §4.8's points (`spec`: request_config.RequestEviction,
-        uniform allocation): its prompt eviction (one-shot at E, or block-wise in chunks of C tokens: each
+        """Greedy tokens of a request that compacts at SPEC §4.8's points (`spec`: request_config.RequestEviction;
+        under Ada-KV each head holds its own number of tokens after a point): its prompt eviction (one-shot at E, or block-wise in chunks of C tokens: each
         chunk attends to what its layer holds plus itself, and every chunk end past P pages compacts), then
         a decode point after the forward that writes each C_d-th generated token's K/V. At a point each head
         scores what it holds (under protect_prompt only its generated tokens) with the window queries of
@@ -149,15 +151,13 @@ class ReferenceDecoder:
             pos = torch.arange(start, start + len(ids), device=self.device)
             for index, (layer, (keys, values)) in enumerate(zip(model.layers, kv)):
                 q, k, v = self._layer_qkv(layer, hidden, pos)
-                held = [kh.shape[0] for kh in keys]
+                held = [kh.shape[0] for kh in keys]  # each head's (Ada-KV: uneven)
                 for t, p in enumerate(pos.tolist()):
                     queries[index][p] = q[t]
                 keys[:] = [torch.cat([keys[h], k[:, h]]) for h in range(H)]
                 values[:] = [torch.cat([values[h], v[:, h]]) for h in range(H)]
                 positions[index][:] = [torch.cat([positions[index][h], pos.cpu()]) for h in range(H)]
-                offset = held[0] if len(set(held)) == 1 else None  # uneven heads (Ada-KV): one token at a time
-                assert offset is not None or len(ids) == 1
-                hidden = self._finish_layer(layer, hidden, self._attend(q, keys, values, causal_offset=offset))
+                hidden = self._finish_layer(layer, hidden, self._attend(q, keys, values, causal_offset=held))
                 if point is not None:
                     self._compact(index, keys, values, positions[index], queries[index], spec, point, points,
                                   pages, n, page_size)
@@ -201,30 +201,39 @@ class ReferenceDecoder:
 
     def _compact(self, layer: int, keys: list, values: list, positions: list, queries: dict, spec, point: str,
                  index: int, pages: int | None, n: int, page_size: int) -> None:
-        """Compaction point `index` of one layer (SPEC §4.8 a): each head keeps its best pages of its candidates."""
+        """Compaction point `index` of one layer (SPEC §4.8 a): each head keeps its best pages of its candidates
+        (under Ada-KV the heads may hold different counts: scored padded to the longest, with their lengths)."""
         config = spec.config
         H = self.num_kv_heads
-        held = torch.stack(positions)                                       # [H, held] original positions
+        counts = [p.shape[0] for p in positions]
         fixed = 0
         if point == "decode" and spec.protect_prompt:
-            prompt_held = (held < n).sum(dim=1)
-            assert (prompt_held == prompt_held[0]).all()  # uniform: every head holds as many prompt tokens
-            fixed = int(prompt_held[0])
-        k_all, v_all = torch.stack(keys, dim=1), torch.stack(values, dim=1)  # [held, H, D]
+            prompt_held = {int((p < n).sum()) for p in positions}
+            assert len(prompt_held) == 1  # every head holds as many prompt tokens (request_config refuses others)
+            fixed = prompt_held.pop()
+        longest = max(counts)
+
+        def padded(per_head: list) -> torch.Tensor:  # [longest, H, ...], zero past a head's count
+            return torch.stack([F.pad(x, (0, 0) * (x.dim() - 1) + (0, longest - x.shape[0])) for x in per_head], dim=1)
+
+        k_all, v_all, held = padded(keys), padded(values), padded(positions).T       # held: [H, longest]
+        lengths = None if len(set(counts)) == 1 else torch.tensor(counts) - fixed
         cand = held[:, fixed:]
-        m = cand.shape[1]
-        w = min(config.window_size(), m)
-        window_positions = cand[0, m - w:].tolist()
+        m = counts[0] - fixed
+        w = min(config.window_size(), m if lengths is None else int(lengths.min()))
+        window_positions = cand[0, m - w: m].tolist()  # the last w held: the same tokens in every head
         q_window = torch.stack([queries[p] for p in window_positions]) if w else None
-        sink = int((cand[0] < config.sink_size()).sum())
+        sink = int((cand[0, :m] < config.sink_size()).sum())
         context = self._context(layer, cand, index, config)
         scores = score_tokens(config.policy, q_window, k_all[fixed:], v_all[fixed:], scale=self.scale,
-                              **{**config.score_options(), "window": w, "sink": sink}, context=context)
+                              **{**config.score_options(), "window": w, "sink": sink}, context=context,
+                              lengths=None if lengths is None else lengths.to(k_all.device))
         if point == "decode":
             budget = spec.decode_budget
         else:
             budget = pages * page_size if spec.chunk_tokens(page_size) else config.budget
-        keep = select_tokens(scores, budget, page_size=page_size, **config.select_options())
+        keep = select_tokens(scores, budget, page_size=page_size, **config.select_options(),
+                             lengths=None if lengths is None else lengths.to(scores.device))
         self._near_ties += near_ties(scores, keep, exact=config.pool_kernel_size() == 1)
         keep = torch.cat([torch.ones(H, fixed, dtype=torch.bool), keep.cpu()], dim=1)
         keys[:] = [k_all[keep[h].to(k_all.device), h] for h in range(H)]
