@@ -62,6 +62,10 @@ GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 MODEL_DIR=$STAGE/models/SmolLM2-135M-Instruct
 WORK=/tmp/quality
 
+evict_cli() {  # from /tmp: the checkout's own vllm_evict/ (no kernels/, server/) must not shadow the installed layout
+  (cd /tmp && python3 -m vllm_evict.cli "$@")
+}
+
 setup_device() {  # device: vLLM bundle and GGUF staged; the plugin on the path; the HF model converted once
   [ -f "$STAGE/$GGUF_NAME" ] || { echo "GGUF missing: stage .quality-gpu/part1 and part2 first"; exit 2; }
   # vLLM from the bundle, and vllm-evict in its installed layout (kernels/ and server/ as vllm_evict.kernels /
@@ -73,7 +77,7 @@ setup_device() {  # device: vLLM bundle and GGUF staged; the plugin on the path;
   rm -rf "$STAGE/site/vllm_evict-0.1.0.dist-info"  # an older version of this script put a second one here
   # spawn: the runner touches CUDA before vLLM starts its engine-core process
   export PYTHONPATH=$PYTHONPATH:$STAGE/site VLLM_WORKER_MULTIPROC_METHOD=spawn
-  python3 -m vllm_evict.cli prepare-model --gguf "$STAGE/$GGUF_NAME" --cache-dir "$MODEL_DIR"
+  evict_cli prepare-model --gguf "$STAGE/$GGUF_NAME" --cache-dir "$MODEL_DIR"
   mkdir -p "$WORK"
   pids=(); shard_logs=()
 }
@@ -97,7 +101,7 @@ launch() {  # NAME KV_DTYPE OFFSET: WORKERS engines in the background (`vllm-evi
   local workers=${WORKERS:-6} k
   for k in $(seq 0 $((workers - 1))); do
     VLLM_CACHE_ROOT=/tmp/vllm-cache/$(($3 + k)) TRITON_CACHE_DIR=/tmp/triton-cache/$(($3 + k)) OMP_NUM_THREADS=2 \
-      python3 -m vllm_evict.cli eval "${args[@]}" --shard "$k/$workers" --stop-after "${STOP_AFTER:-420}" \
+      evict_cli eval "${args[@]}" --shard "$k/$workers" --stop-after "${STOP_AFTER:-420}" \
       --gpu-memory-utilization 0.05 --kv-cache-memory-bytes "${KV_BYTES:-6000000000}" \
       > "$WORK/$1.shard$k.log" 2>&1 &
     pids+=($!); shard_logs+=("$WORK/$1.shard$k.log")
@@ -119,7 +123,7 @@ wait_shards() {  # 0: every shard finished; 3: some stopped at STOP_AFTER; 1: a 
 merge() {  # NAME KV_DTYPE: one --report-only run merges the shards into the tables
   local r=0
   eval_args "$1" "$2"
-  python3 -m vllm_evict.cli eval "${args[@]}" --report-only > "$WORK/$1.merge.log" 2>&1 || r=$?
+  evict_cli eval "${args[@]}" --report-only > "$WORK/$1.merge.log" 2>&1 || r=$?
   tail -5 "$WORK/$1.merge.log"
   case $r in 0|3) return $r ;; *) return 1 ;; esac
 }

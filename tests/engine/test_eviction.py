@@ -208,11 +208,12 @@ def test_blocks_held_and_no_leaks(engine):
                                                                         "pool_kernel": 4},
                                  {"policy": "snapkv", "budget": 0.2, "evict_at": 0},
                                  {"policy": "keydiff", "budget": 0.2, "chunked": True, "evict_at": 50},
-                                 {"policy": "snapkv", "budget": 0.2, "chunked": True, "allocation": "adakv"},
+                                 {"policy": "snapkv", "budget": 0.2, "allocation": "adakv", "decode_budget": 64,
+                                  "protect_prompt": True},
                                  {"policy": "snapkv", "decode_budget": 8}])  # less than a page
 def test_invalid_eviction_fails_the_request_not_the_engine(engine, bad):
     prompt = random_prompt(9, 100)
-    with pytest.raises(ValueError, match="policy|budget|pool_kernel|evict_at|chunked"):
+    with pytest.raises(ValueError, match="policy|budget|pool_kernel|evict_at|chunked|protect_prompt"):
         engine.generate([{"prompt_token_ids": prompt}], params(bad))
     # the engine keeps serving
     out = engine.generate([{"prompt_token_ids": prompt}], params(None, max_tokens=4))
