@@ -12,6 +12,9 @@ gather_prompt(caches, blocks, n, keys, values)
 scatter_kept(caches, keys, values, slots)
     slots [G, n, H] int64: per-head slot (page*page_size + offset of the per-head page view, page =
     block*H + h) of token t in layer g, -1 = not kept; writes keys/values [n, G, H, D] there.
+gather_slots(caches, slots, keys, values)
+    the reverse: keys/values [n, G, H, D] <- the tokens at slots [G, n, H] (zero where -1). A request in
+    per-head (Ada-KV) layout holds an uneven count per head, each head's tokens on pages of its own.
 
 n and H are not specialised, so no prompt length or group size compiles a new variant. The buffer
 strides are (multiples of 16 for the usual head sizes, whatever G is), so that the accesses vectorise.
@@ -97,6 +100,22 @@ def _scatter_kept_kernel(base, offsets, slots, keys, values, n, H,
     tl.store(dst + D, v, mask=mask)
 
 
+@triton.jit(do_not_specialize=["n", "H"])
+def _gather_slots_kernel(base, offsets, slots, keys, values, n, H,
+                         s_kt, s_kg, s_kh, s_vt, s_vg, s_vh,
+                         D: tl.constexpr, D_P: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    g, h, t, t_ok, d, d_ok = _tile(n, H, BLOCK, D, D_P)
+    slot = tl.load(slots + (g * n + t).to(tl.int64) * H + h, mask=t_ok, other=-1)
+    held = (slot >= 0)[:, None] & d_ok
+    src = base + tl.multiple_of(tl.load(offsets + g), ALIGN) + slot[:, None] * (2 * D) + d[None, :]
+    k = tl.load(src, mask=held, other=0.0)  # an empty slot reads nothing and is written as zeros
+    v = tl.load(src + D, mask=held, other=0.0)
+    t64 = t.to(tl.int64)[:, None]
+    mask = t_ok[:, None] & d_ok
+    tl.store(keys + t64 * s_kt + g * s_kg + h * s_kh + d[None, :], k, mask=mask)
+    tl.store(values + t64 * s_vt + g * s_vg + h * s_vh + d[None, :], v, mask=mask)
+
+
 def _check_buffers(keys: torch.Tensor, values: torch.Tensor, num_layers: int, H: int, D: int) -> int:
     if keys.shape != values.shape or keys.dim() != 4 or keys.shape[1:] != (num_layers, H, D):
         raise ValueError(f"keys/values must be [n, {num_layers}, {H}, {D}], got {tuple(keys.shape)} "
@@ -121,6 +140,16 @@ def gather_prompt(caches: list[torch.Tensor], blocks: torch.Tensor, n: int, keys
 
 
 def scatter_kept(caches: list[torch.Tensor], keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+    _by_slots(_scatter_kept_kernel, caches, keys, values, slots)
+
+
+def gather_slots(caches: list[torch.Tensor], slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    _by_slots(_gather_slots_kernel, caches, keys, values, slots)
+
+
+def _by_slots(kernel, caches: list[torch.Tensor], keys: torch.Tensor, values: torch.Tensor,
+              slots: torch.Tensor) -> None:
+    """One launch of a kernel that moves keys/values [n, G, H, D] to or from per-head slots [G, n, H]."""
     base, offsets = layer_offsets(caches)
     _, H, page, two_d = base.shape
     D = two_d // 2
@@ -128,10 +157,9 @@ def scatter_kept(caches: list[torch.Tensor], keys: torch.Tensor, values: torch.T
     if slots.shape != (len(caches), n, H) or slots.dtype != torch.int64 or not slots.is_contiguous():
         raise ValueError(f"slots must be contiguous int64 [{len(caches)}, {n}, {H}], got {tuple(slots.shape)}")
     grid = (triton.cdiv(n, BLOCK_T), len(caches) * H)
-    _scatter_kept_kernel[grid](base, _offsets_tensor(offsets, base.device), slots, keys, values, n, H,
-                               *keys.stride()[:3], *values.stride()[:3],
-                               D=D, D_P=triton.next_power_of_2(D), BLOCK=BLOCK_T,
-                               ALIGN=_alignment(offsets))
+    kernel[grid](base, _offsets_tensor(offsets, base.device), slots, keys, values, n, H,
+                 *keys.stride()[:3], *values.stride()[:3],
+                 D=D, D_P=triton.next_power_of_2(D), BLOCK=BLOCK_T, ALIGN=_alignment(offsets))
 
 
 def gather_prompt_reference(caches: list[torch.Tensor], blocks: torch.Tensor, n: int, keys: torch.Tensor,
@@ -151,3 +179,13 @@ def scatter_kept_reference(caches: list[torch.Tensor], keys: torch.Tensor, value
         kept = slots[g] >= 0                                                    # [n, H]
         rows[slots[g][kept], :D] = keys[:, g][kept]
         rows[slots[g][kept], D:] = values[:, g][kept]
+
+
+def gather_slots_reference(caches: list[torch.Tensor], slots: torch.Tensor, keys: torch.Tensor,
+                           values: torch.Tensor) -> None:
+    D = caches[0].shape[-1] // 2
+    for g, cache in enumerate(caches):
+        rows = cache.view(-1, 2 * D)[slots[g].clamp(min=0)]                     # [n, H, 2D]
+        held = (slots[g] >= 0).unsqueeze(-1)
+        keys[:, g] = torch.where(held, rows[..., :D], 0)
+        values[:, g] = torch.where(held, rows[..., D:], 0)

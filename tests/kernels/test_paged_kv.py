@@ -15,7 +15,8 @@ from tests.kernels.interpreter import check_in_interpreter
 
 
 def check(device: str, seed: int, dtype=torch.float32) -> None:
-    from vllm_evict.kernels.paged_kv import gather_prompt, gather_prompt_reference, scatter_kept, scatter_kept_reference
+    from vllm_evict.kernels.paged_kv import (gather_prompt, gather_prompt_reference, gather_slots,
+                                             gather_slots_reference, scatter_kept, scatter_kept_reference)
 
     gen = torch.Generator().manual_seed(seed)
     for num_layers, H, page, D, n in [(3, 2, 16, 32, 70), (1, 4, 16, 64, 16), (5, 1, 8, 16, 33)]:
@@ -48,10 +49,22 @@ def check(device: str, seed: int, dtype=torch.float32) -> None:
         for got, want in zip(caches, expected):
             assert torch.equal(got, want)
 
+        # gather by the same slots (the kept sets of a per-head layout), repeated caches (requests x layers)
+        both = caches + caches[:1]
+        slots = torch.cat([slots, slots[:1].flip(1)]).contiguous()
+        packed = torch.full((n, len(both), H, 2 * D), float("nan"), device=device, dtype=dtype)
+        keys, values = packed[..., :D], packed[..., D:]
+        gather_slots(both, slots, keys, values)
+        ref_k = torch.empty(n, len(both), H, D, device=device, dtype=dtype)
+        ref_v = torch.empty_like(ref_k)
+        gather_slots_reference(both, slots, ref_k, ref_v)
+        assert torch.equal(keys, ref_k) and torch.equal(values, ref_v)
+        assert torch.equal(keys[:, :num_layers][slots[:num_layers].transpose(0, 1) >= 0], new_k[slots[:num_layers].transpose(0, 1) >= 0])
+
 
 def test_reference_by_hand():
     """The references on a hand-made cache: token t of head h in block b at ((b*H + h)*page + t%page)*2D."""
-    from vllm_evict.kernels.paged_kv import gather_prompt_reference, scatter_kept_reference
+    from vllm_evict.kernels.paged_kv import gather_prompt_reference, gather_slots_reference, scatter_kept_reference
 
     H, page, D = 2, 2, 1
     cache = torch.arange(4 * H * page * 2 * D, dtype=torch.float32).view(4, H, page, 2 * D)
@@ -63,6 +76,8 @@ def test_reference_by_hand():
     scatter_kept_reference([cache], torch.full((3, 1, H, D), -1.0), torch.full((3, 1, H, D), -2.0), slots)
     assert cache.view(-1, 2)[3].tolist() == [-1.0, -2.0] and cache.view(-1, 2)[0].tolist() == [-1.0, -2.0]
     assert cache.view(-1, 2)[1].tolist() == [2.0, 3.0]
+    gather_slots_reference([cache], slots, keys, values)
+    assert keys[:, 0, 1, 0].tolist() == [-1.0, 0.0, 0.0] and values[:, 0, 0, 0].tolist() == [0.0, -2.0, 0.0]
 
 
 def test_kernels_in_triton_interpreter():

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_evict.engine.per_head import head_pages
+from vllm_evict.engine.per_head import head_pages, host_to_device, stacked_counts
 from vllm_evict.policies import POLICIES, keep_mask, kept_counts, score_tokens
 from vllm_evict.policies.budget import adakv_pages
 from vllm_evict.policies.config import EvictionConfig
@@ -326,28 +326,28 @@ def _gather(cache, group: list, blocks: list[torch.Tensor], n: int) -> tuple[tor
 def _gather_heads(cache, group: list, requests: list[tuple], n: int) -> tuple:
     """keys, values [n, R, G, H, D] of what each head of R requests in per-head layout holds in a layer
     group (zero past a head's count), and the counts [R, G, H]: the head's kept tokens at the last point,
-    then the tokens since, in its pages (per_head.head_pages over the request's blocks)."""
-    G, H, D, page = len(group), cache.num_heads, cache.head_dim, cache.page_size
-    keys = torch.zeros(n, len(requests), G, H, D, dtype=cache.dtype, device=cache.device)
-    values = torch.zeros_like(keys)
-    col = torch.arange(n, device=cache.device)
-    lengths = []
-    for r, (state, blocks, _) in enumerate(requests):
-        layouts = [state.layers[index] for index, _ in group]
-        counts = torch.stack([layout.page_counts for layout in layouts]).to(torch.int64)       # [G, H]
-        held = torch.stack([layout.kept for layout in layouts]) + (state.point.at - state.last_at)
-        fresh = torch.full((1,), state.blocks, dtype=torch.int64, device=cache.device)
-        pages = head_pages(counts.unsqueeze(-1), fresh, blocks.view(1, -1).to(torch.int64), -(-n // page))
-        slots = pages.squeeze(-2).gather(-1, (col // page).expand(G, H, n)) * page + col % page   # [G, H, n]
-        valid = (col < held.unsqueeze(-1)).permute(2, 0, 1).unsqueeze(-1)                     # [n, G, H, 1]
-        for g, (_, layer_cache) in enumerate(group):
-            k, v = layer_cache.gather_slots(slots[g].reshape(-1))
-            keys[:, r, g] = k.view(H, n, D).transpose(0, 1)
-            values[:, r, g] = v.view(H, n, D).transpose(0, 1)
-        keys[:, r].masked_fill_(~valid, 0)  # past a head's count: whatever its pages held, or unwritten bytes
-        values[:, r].masked_fill_(~valid, 0)
-        lengths.append(held)
-    return keys, values, torch.stack(lengths)
+    then the tokens since, in its pages (per_head.head_pages over the request's blocks). One slot table for
+    all requests and layers, one gather (the adapter's gather_held)."""
+    G, H, D, page, device = len(group), cache.num_heads, cache.head_dim, cache.page_size, cache.device
+    R = len(requests)
+    states = [state for state, _, _ in requests]
+    layers = host_to_device([index for index, _ in group], device)
+    stacked = [stacked_counts(state, device) for state in states]                           # ([L, H], [L, H])
+    counts = torch.stack([c for c, _ in stacked]).index_select(1, layers)                   # [R, G, H]
+    since = host_to_device([state.point.at - state.last_at for state in states], device)
+    held = torch.stack([k for _, k in stacked]).index_select(1, layers) + since.view(R, 1, 1)
+    fresh = host_to_device([state.blocks for state in states], device)
+    row_blocks = torch.nn.utils.rnn.pad_sequence([blocks.to(torch.int64) for _, blocks, _ in requests], batch_first=True)
+    pages = head_pages(counts.permute(1, 2, 0), fresh, row_blocks, -(-n // page))          # [G, H, R, W]
+    col = torch.arange(n, device=device)
+    slots = pages.gather(-1, (col // page).expand(G, H, R, n)) * page + col % page          # [G, H, R, n]
+    slots = torch.where(col < held.permute(1, 2, 0).unsqueeze(-1), slots, -1)             # past a head's count
+    keys = torch.empty(n, R, G, H, D, dtype=cache.dtype, device=device)
+    values = torch.empty_like(keys)
+    caches = [layer_cache for _, layer_cache in group] * R
+    cache.gather_held(caches, slots.permute(2, 0, 3, 1).reshape(R * G, n, H), keys.view(n, R * G, H, D),
+                      values.view(n, R * G, H, D))
+    return keys, values, held
 
 
 def _write_group(state, group: list, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor,

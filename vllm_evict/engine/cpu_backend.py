@@ -47,11 +47,6 @@ class CpuPagedCache:
         values = self.value[blocks].permute(0, 2, 1, 3).reshape(nb * N, H, D)[:n]
         return keys, values
 
-    def gather_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values [M, D] at per-head slots [M] (page * N + offset)."""
-        page, offset = slots // self.page_size, slots % self.page_size
-        return self.page_keys[page, :, offset], self.page_values[page, offset]
-
     def write_tokens(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
         """Write keys/values [T, H, D] of scheduled tokens to their per-head slots [T, H]."""
         D = self.head_dim
@@ -63,6 +58,17 @@ class CpuPagedCache:
         """keys/values [n, G, H, D] <- the first n prompt tokens (in `blocks`) of G layers."""
         for g, cache in enumerate(caches):
             keys[:, g], values[:, g] = cache.gather_prefix(blocks, n)
+
+    @staticmethod
+    def gather_held(caches: list["CpuPagedCache"], slots: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor) -> None:
+        """keys/values [n, G, H, D] <- the tokens at per-head slots [G, n, H] (page * N + offset; zero where
+        -1) of G layers (a layer may repeat)."""
+        for g, cache in enumerate(caches):
+            held = (slots[g] >= 0).unsqueeze(-1)
+            page, offset = slots[g].clamp(min=0) // cache.page_size, slots[g].clamp(min=0) % cache.page_size
+            keys[:, g] = torch.where(held, cache.page_keys[page, :, offset], 0)
+            values[:, g] = torch.where(held, cache.page_values[page, offset], 0)
 
     @staticmethod
     def write_layers(caches: list["CpuPagedCache"], keys: torch.Tensor, values: torch.Tensor,

@@ -25,7 +25,7 @@ from vllm.platforms import current_platform
 from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, reshape_and_cache_flash
 
-from vllm_evict.kernels.paged_kv import gather_prompt, scatter_kept
+from vllm_evict.kernels.paged_kv import gather_prompt, gather_slots, scatter_kept
 from vllm_evict.engine.attention import EvictionAttentionMixin
 from vllm_evict.engine.per_head import DecodeGraphTables
 from vllm_evict.engine.worker import STATE
@@ -79,11 +79,6 @@ class CudaPagedCache:
         pages = self.kv_cache[blocks.long()].permute(0, 2, 1, 3).reshape(nb * N, H, 2 * D)[:n]
         return pages[..., :D], pages[..., D:]
 
-    def gather_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values [M, D] (the cache's dtype) at per-head slots [M] (page * N + offset)."""
-        rows = self.kv_cache.view(-1, 2 * self.head_dim)[slots]
-        return rows[:, : self.head_dim], rows[:, self.head_dim:]
-
     def write_tokens(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
         """Write keys/values [T, H, D] of scheduled tokens to their per-head slots [T, H] (quantized as
         vLLM writes them)."""
@@ -100,6 +95,13 @@ class CudaPagedCache:
                       values: torch.Tensor) -> None:
         """keys/values [n, G, H, D] <- the first n prompt tokens (in `blocks`) of G layers: one launch."""
         gather_prompt([c.kv_cache for c in caches], blocks, n, keys, values)
+
+    @staticmethod
+    def gather_held(caches: list["CudaPagedCache"], slots: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor) -> None:
+        """keys/values [n, G, H, D] <- the tokens at per-head slots [G, n, H] (zero where -1) of G layers
+        (a layer may repeat): one launch."""
+        gather_slots([c.kv_cache for c in caches], slots, keys, values)
 
     @staticmethod
     def write_layers(caches: list["CudaPagedCache"], keys: torch.Tensor, values: torch.Tensor,

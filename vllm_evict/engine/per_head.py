@@ -58,15 +58,15 @@ class StepTables:
 
 def stacked_counts(state, device) -> tuple[torch.Tensor, torch.Tensor]:
     """([L, H] pages per head, [L, H] kept tokens) of a compacted request, indexed by layer index
-    (layers without attention stay zero); built once."""
+    (layers without attention stay zero); built once per layout (worker.WorkerEviction.advance)."""
     if state.stacked is None:
-        num_layers = max(state.layers) + 1
-        num_heads = next(iter(state.layers.values())).page_counts.shape[0]
-        counts = torch.zeros(num_layers, num_heads, dtype=torch.int64, device=device)
-        kept = torch.zeros(num_layers, num_heads, dtype=torch.int64, device=device)
-        for i, layout in state.layers.items():
-            counts[i] = layout.page_counts.to(device)
-            kept[i] = layout.kept.to(device)
+        indices = sorted(state.layers)
+        counts = torch.stack([state.layers[i].page_counts for i in indices]).to(device, torch.int64)
+        kept = torch.stack([state.layers[i].kept for i in indices]).to(device, torch.int64)
+        if indices != list(range(len(indices))):
+            where = host_to_device(indices, device)
+            counts = counts.new_zeros(indices[-1] + 1, counts.shape[1]).index_copy_(0, where, counts)
+            kept = kept.new_zeros(counts.shape).index_copy_(0, where, kept)
         state.stacked = (counts, kept)
     return state.stacked
 

@@ -103,7 +103,7 @@ class WorkerEviction(FollowsSchedule):
     window: int = 0                     # w (read once: the policy's default or the request's override)
     window_offset: int = -1             # its rows in the worker's WindowStore (-1: none)
     layers: dict[int, LayerCompaction] = field(default_factory=dict)  # filled during the compaction step
-    stacked: tuple | None = None        # per_head.stacked_counts: all layers' page counts, built once
+    stacked: tuple | None = None        # per_head.stacked_counts: all layers' page counts, once per layout
     done: int = 0                       # compactions finished (counted from the step after each)
     shift: int = 0                      # semantic minus physical positions once compacted
     prompt_block_ids: list[int] = field(default_factory=list)  # the blocks read by the compaction step
@@ -161,14 +161,23 @@ class WorkerEviction(FollowsSchedule):
         self.shift = point.at - (point.kept if point.in_place else self.blocks * self.page_size)
         if point.in_place:  # its layout now spans the blocks its kept tokens fill
             self.blocks = -(-point.kept // self.page_size)
-        if point.evicts and not self.stock_layout:  # a new per-head layout: tables built again
-            self.stacked, self.serial = None, next(_SERIALS)
+        if point.evicts and not self.stock_layout:  # a new per-head layout (stacked by `kept_most`): new tables
+            self.serial = next(_SERIALS)
         self.done += 1
         self.q_window = {}
         following = self.point
         step = self.window if following is None else following.at - point.at
         if step < self.window and windows is not None and self.window_offset >= 0:
             windows.shift(self.window_offset, self.window, step)
+
+    def kept_most(self) -> None:
+        """After a compaction into per-head layout: stack its page counts for the tables, and copy the most
+        tokens a head kept to the host (the next point gathers up to that head)."""
+        from vllm_evict.engine.per_head import stacked_counts
+
+        self.stacked = None
+        _, kept = stacked_counts(self, next(iter(self.layers.values())).kept.device)
+        self.most_kept = HostCopy(kept.amax())
 
     @property
     def stock_layout(self) -> bool:
@@ -445,8 +454,8 @@ class WorkerEvictionState:
                 if used is not None:
                     batch[0].used_blocks = HostCopy(used)
                 for state in batch:
-                    if not state.stock_layout:  # the next point gathers up to its fullest head
-                        state.most_kept = HostCopy(torch.stack([c.kept for c in state.layers.values()]).amax())
+                    if not state.stock_layout:
+                        state.kept_most()
             except Exception as exc:  # one batch's failure must not take the others or the engine down
                 logger.exception("vllm-evict: compaction of requests %s failed", [s.req_id for s in batch])
                 for state in batch:
@@ -600,7 +609,7 @@ def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: in
                                       for i, _ in layers}
                 compact_one([state], layers, head_dim ** -0.5)
                 if again:  # next: the decode point one page later, in place over the layout and that page
-                    state.most_kept = HostCopy(torch.stack([c.kept for c in state.layers.values()]).amax())
+                    state.kept_most()
                     state.advance()
                     state.prompt_block_ids = list(range(16, 17 + pages))
                     state.fresh_blocks = list(range(16, 16 + -(-state.point.kept // page)))
