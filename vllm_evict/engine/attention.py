@@ -1,6 +1,8 @@
 """Platform-independent part of the eviction attention backends.
 
-Stock behaviour unless the step's plan says otherwise:
+The step's plan (worker.StepPlan, None for a stock step) reaches the attention layers on their metadata
+(`attn_metadata.eviction`), put there by the backend's metadata builder: the worker builds the plan while
+vLLM prepares the step's inputs, before it builds the metadata. Stock behaviour unless the plan says otherwise:
 - window capture: copy the query rows of the last w positions before each point of evicting requests;
 - per-head path (batch holds Ada-KV-compacted requests): every request row becomes H_kv virtual
   sequences with their own page tables (see per_head.py) - KV write and attention both go through it.
@@ -21,11 +23,12 @@ import inspect
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 
 from vllm_evict.engine import per_head
-from vllm_evict.engine.worker import STATE, per_head_graph_step
+from vllm_evict.engine.worker import STATE, per_head_graph_step  # STATE: the metadata builders only
 
 
 # Quantized caches eviction handles: vLLM's FlashAttention fp8 (e4m3, per-layer k/v scales) on CUDA
@@ -53,6 +56,20 @@ def check_pipeline_parallel(size: int) -> None:
                          "use --tensor-parallel-size, or disable the plugin (VLLM_PLUGINS=none)")
 
 
+def step_plan(attn_metadata):  # -> worker.StepPlan | None
+    """The eviction plan of the step whose attention metadata this is (None: a stock step)."""
+    return getattr(attn_metadata, "eviction", None)
+
+
+class EvictionMetadataBuilderMixin:
+    """Mixed into a stock AttentionMetadataBuilder: the metadata it builds carries the step's plan."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        md.eviction = STATE.plan
+        return md
+
+
 class EvictionAttentionMixin:
     """Mixed into a stock AttentionImpl (CPU_ATTN or FLASH_ATTN)."""
 
@@ -78,7 +95,7 @@ class EvictionAttentionMixin:
         raise NotImplementedError  # only backends with FULL decode graphs
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        plan = STATE.plan
+        plan = step_plan(get_attention_context(layer.layer_name)[0])
         per_head = per_head_graph_step() or (plan is not None and plan.per_head)
         if not per_head or self.kv_sharing_target_layer_name is not None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
@@ -86,7 +103,7 @@ class EvictionAttentionMixin:
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
-        plan = STATE.plan
+        plan = step_plan(attn_metadata)
         if attn_metadata is not None and per_head_graph_step():  # captured once, replayed: no plan read
             self._per_head_graph_forward(extract_layer_index(layer.layer_name), query, key, value,
                                          self._cached_paged_cache(layer, kv_cache), attn_metadata, output)
@@ -96,7 +113,7 @@ class EvictionAttentionMixin:
                                    output_scale, output_block_scale)
         layer_idx = extract_layer_index(layer.layer_name)
         if plan.capture_tokens is not None:
-            STATE.windows.capture(layer_idx, query, plan.capture_tokens, plan.capture_rows)
+            plan.windows.capture(layer_idx, query, plan.capture_tokens, plan.capture_rows)
         cache = self._cached_paged_cache(layer, kv_cache)
         if plan.per_head:
             with torch.profiler.record_function("vllm_evict::per_head_attention"):

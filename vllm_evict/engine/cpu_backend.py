@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
+                                                 CPUAttentionMetadataBuilder)
 
-from vllm_evict.engine.attention import EvictionAttentionMixin
+from vllm_evict.engine.attention import EvictionAttentionMixin, EvictionMetadataBuilderMixin
 
 
 class CpuPagedCache:
@@ -117,7 +118,15 @@ class EvictCPUAttentionImpl(EvictionAttentionMixin, CPUAttentionBackendImpl):
             kv_cache_dtype=self.kv_cache_dtype)
 
 
+class EvictCPUAttentionMetadataBuilder(EvictionMetadataBuilderMixin, CPUAttentionMetadataBuilder):
+    pass
+
+
 class EvictCPUAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls():
         return EvictCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return EvictCPUAttentionMetadataBuilder

@@ -26,9 +26,8 @@ from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, reshape_and_cache_flash
 
 from vllm_evict.kernels.paged_kv import gather_prompt, gather_slots, scatter_kept
-from vllm_evict.engine.attention import EvictionAttentionMixin
+from vllm_evict.engine.attention import EvictionAttentionMixin, EvictionMetadataBuilderMixin
 from vllm_evict.engine.per_head import DecodeGraphTables
-from vllm_evict.engine.worker import STATE
 
 
 class CudaPagedCache:
@@ -161,7 +160,7 @@ def query_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype
 
 
-class EvictFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
+class EvictFlashAttentionMetadataBuilder(EvictionMetadataBuilderMixin, FlashAttentionMetadataBuilder):
     # FlashAttention's own CUDA-graph support: a FULL graph replays the stock attention, which is right
     # for every step whose plan needs no attention call (worker.py's dispatcher hook keeps the others
     # off FULL graphs).
@@ -185,9 +184,8 @@ class EvictFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
         md.per_head_decode = self.per_head_decode
-        plan = STATE.plan
-        if self.per_head_decode is not None and plan is not None:  # the step may replay a per-head graph
-            self.per_head_decode.load(plan)
+        if self.per_head_decode is not None and md.eviction is not None:  # the step may replay a per-head graph
+            self.per_head_decode.load(md.eviction)
         return md
 
     def use_cascade_attention(self, *args, **kwargs) -> bool:

@@ -36,6 +36,13 @@ SURFACE: dict[str, dict[str, str]] = {
             "self, cudagraph_mode, uniform_decode_query_len=",
         "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.add_cudagraph_key": "self, runtime_mode, batch_descriptor",
         "vllm.v1.worker.gpu_worker:kernel_warmup": "worker",
+        # attention.py, cpu_backend.py, cuda_backend.py: metadata builders that add the step's plan, and the
+        # KV write's metadata (vLLM calls do_kv_cache_update without it)
+        "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.build":
+            "self, common_prefix_len, common_attn_metadata, fast_build=",
+        "vllm.v1.attention.backends.flash_attn:FlashAttentionMetadataBuilder.build":
+            "self, common_prefix_len, common_attn_metadata, fast_build=",
+        "vllm.model_executor.layers.attention.attention:get_attention_context": "layer_name",
         # plugin.py: request validation in the API process
         "vllm.v1.engine.input_processor:InputProcessor._validate_params": "self, params, supported_tasks",
         "vllm.v1.engine.input_processor:InputProcessor.process_inputs":

@@ -213,6 +213,7 @@ class StepPlan:
     max_blocks: int = 0                      # widest block-table row this step (per-head steps only)
     row_blocks: list[int] = field(default_factory=list)  # blocks of each row (per-head steps only)
     cache: dict = field(default_factory=dict)  # kept across steps (per_head reuses row stacks)
+    windows: WindowStore | None = None       # every request's window queries (the attention call records them)
     tables: object | None = None             # per_head.StepTables, built by the first layer
 
     @property
@@ -407,7 +408,7 @@ class WorkerEvictionState:
                         capture_tokens=capture_tokens, capture_rows=capture_rows,
                         compacted_rows=compacted_rows, per_head_rows=per_head_rows,
                         per_head_tokens=per_head_tokens, page_size=runner.cache_config.block_size,
-                        cache=self.step_cache)
+                        cache=self.step_cache, windows=self.windows)
         if plan.per_head:
             row_blocks = batch.block_table[0].num_blocks_per_row[:num_reqs]
             plan.row_blocks = row_blocks.tolist()
