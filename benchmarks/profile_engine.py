@@ -127,13 +127,16 @@ def engine_profile(args, out_dir: Path) -> None:
     timed(core.scheduler, "schedule", "schedule")
     timed(core.scheduler, "update_from_output", "update")
     timed(core.model_executor, "execute_model", "execute")
-    ev = {"policy": args.policy, "budget": budget, "allocation": args.allocation}
+    allocations = args.allocation.split(",")
+    evictions = [{"policy": args.policy, "budget": budget, "allocation": a} for a in allocations]
+    ev = evictions[0]
     if args.prefill_only:
         return prefill_profile(args, engine, add, table, ev, out_dir)
     if args.decode_budget:
         return decode_eviction_profile(args, engine, sched, timers, table, out_dir)
-    variants = [("evicted", ev, args.prompt_len)] if args.evicted_only else \
-        [("plain", None, args.kv_len), ("evicted", ev, args.prompt_len)]
+    variants = [] if args.evicted_only else [("plain", None, args.kv_len)]
+    variants += [("evicted" if len(allocations) == 1 else f"evicted-{e['allocation']}", e, args.prompt_len)
+                 for e in evictions]
     for label, eviction, n in variants:
         prefix = torch.randint(3, 1000, (n - 64,), generator=gen).tolist() if args.shared_prefix else None
         for i in range(args.batch):
@@ -223,8 +226,9 @@ def decode_eviction_profile(args, engine, sched, timers, table, out_dir):
     every = args.decode_every
     gen = torch.Generator().manual_seed(1)
     variants = [("plain", None, args.kv_len + every // 2)] + [
-        (f"decode-{policy}", {"policy": policy, "decode_budget": args.kv_len, "decode_every": every}, args.prompt_len)
-        for policy in args.policy.split(",")]
+        (f"decode-{policy}-{allocation}", {"policy": policy, "decode_budget": args.kv_len, "decode_every": every,
+                                           "allocation": allocation}, args.prompt_len)
+        for policy in args.policy.split(",") for allocation in args.allocation.split(",")]
     for label, eviction, n in variants:
         for i in range(args.batch):
             sp = SamplingParams(max_tokens=n + 4 * every, ignore_eos=True, temperature=0,
@@ -308,7 +312,7 @@ def main():
     ap.add_argument("--evicted-only", action="store_true")
     ap.add_argument("--prefill-only", action="store_true", help="profile prefill passes, plain vs evicting")
     ap.add_argument("--policy", default="dropkv", help="--decode-budget: several, joined by commas")
-    ap.add_argument("--allocation", default="uniform", choices=["uniform", "adakv"])
+    ap.add_argument("--allocation", default="uniform", help="uniform, adakv, or both joined by a comma (one variant each)")
     ap.add_argument("--decode-budget", action="store_true",
                     help="profile decode-time eviction: a decode budget of --kv-len against plain requests")
     ap.add_argument("--decode-every", type=int, default=128)

@@ -837,6 +837,26 @@ PLANS = {
     "reasoning34c": [("vanilla", "limit,decode", REASONING34_ARGS + REASONING34_LIMIT, 380),
                      ("evict", "decode", REASONING34_ARGS + ["--decode-configs", json.dumps(
                          {"policy": "dropkv", "decode_budget": 1024, "allocation": "adakv"})], 260)],
+    # ---- session 17 (benchmarks/device_calls.sh) ----
+    # issue 34: Ada-KV decode budgets after the batched per-head gather, vanilla in the same call: DropKV and
+    # SnapKV + Ada-KV at 1024 (H200 estimate ~520 s: vanilla ~215 s, one evict engine ~70 + 2 x ~95 s)
+    "reasoning34d": [("vanilla", "decode", REASONING34_ARGS, 300),
+                     ("evict", "decode", REASONING34_ARGS + ["--decode-configs", *[
+                         json.dumps({"policy": policy, "decode_budget": 1024, "allocation": "adakv"})
+                         for policy in ("dropkv", "snapkv")]], 300)],
+    # issue 34 (no-eviction decode against vanilla) and 31 (Ada-KV against uniform): decode13's step table at
+    # batches 64 and 256 only (H200 estimate ~250 s)
+    "decode17": [("vanilla", "latency", ["--ttft-cases", "--decode-batches", "64", "256", "--kv-len", "1024",
+                                         "--max-model-len", "8192", "--decode-steps", "40"], 150),
+                 ("evict", "latency", ["--ttft-cases", "--decode-batches", "64", "256", "--kv-len", "1024",
+                                       "--max-model-len", "8192", "--decode-steps", "40", "--decode-budget", "0.5",
+                                       "--decode-allocations", "uniform", "adakv"], 180)],
+    # the rows left: SnapKV + Ada-KV at 2048, and DropKV uniform at 1024 beside them (~540 s)
+    "reasoning34e": [("vanilla", "decode", REASONING34_ARGS, 300),
+                     ("evict", "decode", REASONING34_ARGS + ["--decode-configs", *[
+                         json.dumps({"policy": policy, "decode_budget": budget, "allocation": allocation})
+                         for policy, budget, allocation in (("snapkv", 2048, "adakv"), ("dropkv", 1024, "uniform"))]],
+                      320)],
 }
 
 

