@@ -79,7 +79,7 @@ def test_all_layers_at_once_equal_layer_by_layer(monkeypatch, policy, allocation
     keys, values = torch.randn(num_layers, E, H, D), torch.randn(num_layers, E, H, D)
     keys[:, :, 1] *= 6  # head 1 attends sharply, head 0 flatly: Ada-KV gives them different pages
     keys[:, : E // 2, 1, 0] += 12
-    q_window = {i: torch.randn(config.window_size(), Hq, D) for i in range(num_layers)}
+    q_window = torch.randn(num_layers, config.window_size(), Hq, D)  # [L, w, Hq, D]
 
     expected = []
     for i in range(num_layers):
@@ -98,7 +98,7 @@ def test_all_layers_at_once_equal_layer_by_layer(monkeypatch, policy, allocation
             kv, cache = make_cache()
             write_standard(kv, keys[i], values[i], prompt_blocks)
             layers.append((i, cache, kv))
-        state = WorkerEviction.for_prompt("r", RequestEviction(config), E, N, q_window=dict(q_window))
+        state = WorkerEviction.for_prompt("r", RequestEviction(config), E, N, q_window=q_window)
         assert state.pages == P
         compaction.compact_request(state, [(i, cache) for i, cache, _ in layers], 0.125, prompt_blocks, fresh)
         for i, _, kv in layers:
@@ -123,14 +123,14 @@ def test_requests_compacted_together_equal_each_alone(monkeypatch, policy, alloc
     keys, values = torch.randn(R, num_layers, E, H, D), torch.randn(R, num_layers, E, H, D)
     keys[:, :, :, 1] *= 6  # head 1 attends sharply, head 0 flatly: Ada-KV gives them different pages
     keys[:, :, : E // 2, 1, 0] += 12
-    q_window = [{i: torch.randn(config.window_size(), 2 * H, D) for i in range(num_layers)} for _ in range(R)]
+    q_window = torch.randn(R, num_layers, config.window_size(), 2 * H, D)
 
     def run(batches):
         layers = [make_cache() for _ in range(num_layers)]
         for i, (kv, _) in enumerate(layers):
             for r in range(R):
                 write_standard(kv, keys[r, i], values[r, i], prompt_blocks[r])
-        states = [WorkerEviction.for_prompt(f"r{r}", RequestEviction(config), E, N, q_window=dict(q_window[r]))
+        states = [WorkerEviction.for_prompt(f"r{r}", RequestEviction(config), E, N, q_window=q_window[r])
                   for r in range(R)]
         for batch in batches:
             compaction.compact_requests([(states[r], prompt_blocks[r], fresh[r]) for r in batch],

@@ -239,9 +239,9 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
             keys, values = _gather(cache, group, [blocks for _, blocks, _ in requests], held)
         G, H, D = len(group), cache.num_heads, cache.head_dim
         q_window = None
-        if state.window:
-            q_window = torch.stack([s.q_window[index] for s, _, _ in requests for index, _ in group], dim=1)
-            q_window = q_window.view(q_window.shape[0], R, G, *q_window.shape[2:])
+        if state.window:  # [w, R, G, Hq, D] of every request's [L, w, Hq, D]
+            q_window = group_layers(torch.stack([s.q_window for s, _, _ in requests], dim=1), group, 0)
+            q_window = q_window.permute(2, 1, 0, 3, 4)
         # scoring reads a quantized cache dequantized; the kept tokens move as the cache's own bytes
         scored_keys, scored_values, q_window = cache.dequantize([c for _, c in group], keys, values, q_window)
         if q_window is not None:
@@ -323,6 +323,15 @@ def _gather(cache, group: list, blocks: list[torch.Tensor], n: int) -> tuple[tor
     return keys, values
 
 
+def group_layers(per_layer: torch.Tensor, group: list, dim: int) -> torch.Tensor:
+    """The entries of a layer group's layers along `dim` of a tensor indexed by layer index: a view when they
+    are consecutive (a model whose layers all attend), else a copy."""
+    indices = [index for index, _ in group]
+    if indices == list(range(indices[0], indices[0] + len(indices))):
+        return per_layer.narrow(dim, indices[0], len(indices))
+    return per_layer.index_select(dim, host_to_device(indices, per_layer.device))
+
+
 def _gather_heads(cache, group: list, requests: list[tuple], n: int) -> tuple:
     """keys, values [n, R, G, H, D] of what each head of R requests in per-head layout holds in a layer
     group (zero past a head's count), and the counts [R, G, H]: the head's kept tokens at the last point,
@@ -331,11 +340,10 @@ def _gather_heads(cache, group: list, requests: list[tuple], n: int) -> tuple:
     G, H, D, page, device = len(group), cache.num_heads, cache.head_dim, cache.page_size, cache.device
     R = len(requests)
     states = [state for state, _, _ in requests]
-    layers = host_to_device([index for index, _ in group], device)
     stacked = [stacked_counts(state, device) for state in states]                           # ([L, H], [L, H])
-    counts = torch.stack([c for c, _ in stacked]).index_select(1, layers)                   # [R, G, H]
+    counts = group_layers(torch.stack([c for c, _ in stacked]), group, 1)                   # [R, G, H]
     since = host_to_device([state.point.at - state.last_at for state in states], device)
-    held = torch.stack([k for _, k in stacked]).index_select(1, layers) + since.view(R, 1, 1)
+    held = group_layers(torch.stack([k for _, k in stacked]), group, 1) + since.view(R, 1, 1)
     fresh = host_to_device([state.blocks for state in states], device)
     row_blocks = torch.nn.utils.rnn.pad_sequence([blocks.to(torch.int64) for _, blocks, _ in requests], batch_first=True)
     pages = head_pages(counts.permute(1, 2, 0), fresh, row_blocks, -(-n // page))          # [G, H, R, W]
@@ -345,7 +353,7 @@ def _gather_heads(cache, group: list, requests: list[tuple], n: int) -> tuple:
     keys = torch.empty(n, R, G, H, D, dtype=cache.dtype, device=device)
     values = torch.empty_like(keys)
     caches = [layer_cache for _, layer_cache in group] * R
-    cache.gather_held(caches, slots.permute(2, 0, 3, 1).reshape(R * G, n, H), keys.view(n, R * G, H, D),
+    cache.gather_held(caches, slots.permute(2, 0, 3, 1).reshape(R * G, n, H).contiguous(), keys.view(n, R * G, H, D),
                       values.view(n, R * G, H, D))
     return keys, values, held
 
@@ -357,8 +365,8 @@ def _write_group(state, group: list, keys: torch.Tensor, values: torch.Tensor, k
     slots = compaction_slots(keep, counts, fresh_blocks, state.page_size, num_blocks).contiguous()
     caches[0].write_layers(caches, keys, values, slots)
     kept = keep.sum(dim=-1)
-    for i, (index, _) in enumerate(group):
-        state.layers[index] = LayerCompaction(page_counts=counts[i], kept=kept[i])
+    for i, ((index, _), layer_counts, layer_kept) in enumerate(zip(group, counts.unbind(), kept.unbind())):
+        state.layers[index] = LayerCompaction(page_counts=layer_counts, kept=layer_kept)
         if DUMP_DIR:  # kept sets for offline comparison with a reference (GPU checks)
             point = f".c{state.done}" if state.chunk else ""  # block-wise: one file per compaction
             torch.save(keep[i].cpu(), os.path.join(DUMP_DIR, f"{state.req_id}{point}.L{index}.pt"))

@@ -198,7 +198,7 @@ class DecodeGraphTables:
     Owned by the CUDA metadata builder (one per KV-cache group). Every buffer is allocated once, so a
     captured decode graph reads and writes the same addresses on every replay:
     - per-row inputs fresh [R] and counts / kept [L, R, H] (int32), zero for rows without per-head
-      pages, rewritten by `load` only when the batch's per-head rows change (new requests, or rows moved);
+      pages, written by `load` row by row where the per-head rows changed (new requests or layouts, rows moved);
     - per-layer outputs (pages, lens, token slots), recomputed on device inside the graph by one kernel
       per layer from vLLM's block table and (worker-shifted) seq_lens;
     - every layer's queries [L, R, Hq, D] (`queries`): the attention call copies its strided query there,
@@ -218,7 +218,7 @@ class DecodeGraphTables:
         self.lens = torch.zeros(max_rows, num_heads, **zeros)
         self.slots = torch.zeros(max_rows, num_heads, dtype=torch.int64, device=device)
         self.query_start = torch.arange(max_rows * num_heads + 1, **zeros)
-        self.rows_key: tuple | None = None
+        self.loaded: dict[int, int] = {}    # row -> layout serial of the per-head rows in the buffers
         self.layer(0, torch.zeros(1, 1, **zeros), torch.zeros(1, **zeros))  # compile before graph capture
 
     @property
@@ -226,24 +226,29 @@ class DecodeGraphTables:
         return self.fresh.shape[0]
 
     def load(self, plan) -> None:
-        """Per-row inputs of the step's per-head rows (none: every row in stock layout); host work only when
-        those rows changed."""
-        key = tuple((r, plan.states[r].serial) for r in plan.per_head_rows)
-        if key == self.rows_key or plan.num_reqs > self.max_rows:
-            return
-        for buffer in (self.fresh, self.counts, self.kept):
-            buffer.zero_()
-        self.rows_key = key
-        if not key:
+        """Per-row inputs of the step's per-head rows (none: every row in stock layout). Only rows whose
+        request or layout changed are written (steady decode: none; a decode point: its requests), and rows
+        that left the per-head layout are zeroed."""
+        rows = {r: plan.states[r].serial for r in plan.per_head_rows}
+        if rows == self.loaded or plan.num_reqs > self.max_rows:
             return
         device = self.fresh.device
-        counts, kept = stacked_rows(plan, device)                       # [L, H, Rc] int64
-        rows = host_to_device(plan.per_head_rows, device)
-        self.fresh.index_copy_(0, rows, host_to_device([plan.states[r].blocks for r in plan.per_head_rows],
-                                                       device).to(torch.int32))
-        num_layers = counts.shape[0]
-        self.counts[:num_layers].index_copy_(1, rows, counts.transpose(1, 2).to(torch.int32))
-        self.kept[:num_layers].index_copy_(1, rows, kept.transpose(1, 2).to(torch.int32))
+        stale = [r for r, serial in self.loaded.items() if rows.get(r) != serial]
+        if stale:
+            where = host_to_device(stale, device)
+            self.fresh.index_fill_(0, where, 0)
+            self.counts.index_fill_(1, where, 0)
+            self.kept.index_fill_(1, where, 0)
+        changed = [r for r, serial in rows.items() if self.loaded.get(r) != serial]
+        if changed:
+            where = host_to_device(changed, device)
+            parts = [stacked_counts(plan.states[r], device) for r in changed]     # ([L, H], [L, H]) each
+            num_layers = parts[0][0].shape[0]
+            self.fresh.index_copy_(0, where, host_to_device([plan.states[r].blocks for r in changed],
+                                                             device).to(torch.int32))
+            self.counts[:num_layers].index_copy_(1, where, torch.stack([c for c, _ in parts], 1).to(torch.int32))
+            self.kept[:num_layers].index_copy_(1, where, torch.stack([k for _, k in parts], 1).to(torch.int32))
+        self.loaded = rows
 
     def layer(self, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor):
         """(pages [R*H, max_pages], lens [R*H], slots [R*H]) of one layer for the R rows of seq_lens."""

@@ -78,8 +78,9 @@ class WindowStore:
         indexable(self.tensor(queries[0]))[: queries.shape[0]].index_copy_(1, rows,
                                                                            indexable(queries).index_select(1, tokens))
 
-    def window(self, layer: int, offset: int, size: int) -> torch.Tensor:
-        return self.rows[layer, offset: offset + size]
+    def window(self, offset: int, size: int) -> torch.Tensor:
+        """One request's rows of every layer [L, size, Hq, D] (a view)."""
+        return self.rows[:, offset: offset + size]
 
     def shift(self, offset: int, size: int, step: int) -> None:
         """Rows [offset + step, offset + size) move to [offset, offset + size - step), in every layer."""
@@ -99,7 +100,7 @@ class WorkerEviction(FollowsSchedule):
     schedule: CompactionSchedule         # the request's compaction points (the scheduler walks the same)
     page_size: int
     blocks: int = 0                     # F: fresh blocks a one-shot compaction writes (scheduler.plan_eviction)
-    q_window: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [w, Hq, D], set to compact
+    q_window: torch.Tensor | None = None  # [L, w, Hq, D] by layer index (its WindowStore rows), set to compact
     window: int = 0                     # w (read once: the policy's default or the request's override)
     window_offset: int = -1             # its rows in the worker's WindowStore (-1: none)
     layers: dict[int, LayerCompaction] = field(default_factory=dict)  # filled during the compaction step
@@ -164,7 +165,7 @@ class WorkerEviction(FollowsSchedule):
         if point.evicts and not self.stock_layout:  # a new per-head layout (stacked by `kept_most`): new tables
             self.serial = next(_SERIALS)
         self.done += 1
-        self.q_window = {}
+        self.q_window = None
         following = self.point
         step = self.window if following is None else following.at - point.at
         if step < self.window and windows is not None and self.window_offset >= 0:
@@ -446,8 +447,7 @@ class WorkerEvictionState:
         for batch in compaction_batches(states, len(layers), cache.num_heads, cache.head_dim, cache.gathered_itemsize):
             for state in batch:
                 if state.window:
-                    state.q_window = {index: self.windows.window(index, state.window_offset, state.window)
-                                      for index, _ in layers}
+                    state.q_window = self.windows.window(state.window_offset, state.window)
             started = self.latency.start(cache.device)
             try:
                 with torch.profiler.record_function("vllm_evict.compact"):  # a named range in torch profiles
@@ -606,8 +606,7 @@ def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: in
                                               fresh_blocks=list(range(16, 16 + pages)))
             for _ in range(2 if again else 1):
                 if window:
-                    state.q_window = {i: scratch(window, num_q_heads, head_dim, to=q_dtype or dtype)
-                                      for i, _ in layers}
+                    state.q_window = scratch(len(layers), window, num_q_heads, head_dim, to=q_dtype or dtype)
                 compact_one([state], layers, head_dim ** -0.5)
                 if again:  # next: the decode point one page later, in place over the layout and that page
                     state.kept_most()
