@@ -37,11 +37,15 @@ declare -A PROFILES=(
   # issue 34: the reasoning shape's decode budget 1024 (256 x 1K prompts, a point every 128 tokens), DropKV
   # uniform against Ada-KV, and plain requests holding the same KV (H200 ~150 s)
   [profile-decode34]="--decode-budget --batch 256 --prompt-len 1024 --kv-len 1024 --policy dropkv
-                      --allocation uniform,adakv --max-model-len 5376"
+                      --allocation uniform,adakv --max-model-len 5376 --profile-steps 48"
   # issue 31: one-shot eviction at 86 x 8K (10%), uniform against Ada-KV decode steps, and plain requests
   # of the kept length (H200 ~150 s)
   [profile-adakv31]="--batch 86 --prompt-len 8192 --kv-len 820 --policy snapkv --allocation uniform,adakv
                      --max-tokens 64 --max-model-len 9216"
+  # issue 31: the per-head FlashAttention call alone, even and uneven heads, per num_splits (86 x 820 and
+  # 64 x 1640: the two shapes' kept KV; ~20 s each)
+  [profile-splits86]="--attention-splits --batch 86 --kv-len 820"
+  [profile-splits64]="--attention-splits --batch 64 --kv-len 1640"
 )
 raw=/tmp/device-calls-raw
 rm -rf "$raw" && mkdir -p "$raw"

@@ -83,6 +83,51 @@ def attention_alone(batch: int, kv_len: int) -> dict:
     return res
 
 
+def attention_splits(batch: int, kv_len: int, spread: float = 1.5) -> list[dict]:
+    """Issue 31: the per-head FlashAttention decode call on the engine's HND cache (one KV head per virtual
+    sequence) with every head at kv_len tokens and with Ada-KV-like uneven heads (each request's 8 heads
+    share 8*kv_len tokens in proportions softmax(spread * N(0, 1))), per num_splits (0: FA's heuristic; k:
+    dynamic splits of at most k, what the FULL graphs pass). Same total KV in both rows."""
+    from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
+
+    H, G, D, N = 8, 4, 128, 16
+    dev, dt = "cuda", torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    shares = torch.softmax(spread * torch.randn(batch, H, generator=gen), dim=-1)
+    uneven = (shares * H * kv_len).round().clamp(min=N).to(torch.int32).flatten()
+    layouts = {"even": torch.full((batch * H,), kv_len, dtype=torch.int32), "uneven": uneven}
+    pages_needed = max(int(((lens + N - 1) // N).sum()) for lens in layouts.values())
+    kv = torch.randn(pages_needed // H + 2, H, N, 2 * D, device=dev, dtype=dt)
+    paged = kv.view(-1, 1, N, 2 * D).transpose(1, 2)
+    kp, vp = (canonicalize_singleton_dim_strides(x) for x in paged.split(D, dim=-1))
+    q = torch.randn(batch * H, G, D, device=dev, dtype=dt)
+    out = torch.empty_like(q)
+    cu = torch.arange(batch * H + 1, device=dev, dtype=torch.int32)
+    version = get_flash_attn_version()
+    rows = []
+    for name, lens in layouts.items():
+        counts = ((lens + N - 1) // N).tolist()
+        order = torch.randperm(kv.shape[0] * H, generator=gen)
+        table = torch.zeros(batch * H, max(counts), dtype=torch.int32)
+        start = 0
+        for i, c in enumerate(counts):
+            table[i, :c] = order[start: start + c]
+            start += c
+        table, seqused = table.to(dev), lens.to(dev)
+        for splits in (0, 1, 2, 4, 8, 16, 32):
+            def call():
+                flash_attn_varlen_func(q=q, k=kp, v=vp, out=out, cu_seqlens_q=cu, max_seqlen_q=1, seqused_k=seqused,
+                                       max_seqlen_k=int(lens.max()), softmax_scale=D ** -0.5, causal=True,
+                                       block_table=table, fa_version=version, num_splits=splits)
+            ms = bench(call, iters=50)
+            rows.append({"heads": name, "batch": batch, "kv_len": kv_len, "max_head": int(lens.max()),
+                         "num_splits": splits, "ms": round(ms, 4),
+                         "TBps": round(2 * int(lens.sum()) * D * 2 / ms / 1e9, 3)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def engine_profile(args, out_dir: Path) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
@@ -255,10 +300,10 @@ def decode_eviction_profile(args, engine, sched, timers, table, out_dir):
                           **{f"{k}_ms_per_step": round(v / len(ms) * 1e3, 2) for k, v in timers.items()}}),
               flush=True)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(every):
+            for _ in range(args.profile_steps or every):
                 engine.step()
             torch.cuda.synchronize()
-        table(prof, f"decode {label}, {every} steps", out_dir / f"profile_{label}.txt")
+        table(prof, f"decode {label}, {args.profile_steps or every} steps", out_dir / f"profile_{label}.txt")
         for r in list(sched.running) + list(sched.waiting):
             engine.abort_request([r.request_id])
         while engine.has_unfinished_requests():
@@ -316,8 +361,14 @@ def main():
     ap.add_argument("--decode-budget", action="store_true",
                     help="profile decode-time eviction: a decode budget of --kv-len against plain requests")
     ap.add_argument("--decode-every", type=int, default=128)
+    ap.add_argument("--profile-steps", type=int, default=0, help="--decode-budget: steps profiled (0: --decode-every)")
+    ap.add_argument("--attention-splits", action="store_true",
+                    help="only the per-head FlashAttention call, even against uneven heads, per num_splits")
     args = ap.parse_args()
     out_dir = Path(args.out_dir)
+    if args.attention_splits:
+        attention_splits(args.batch, args.kv_len)
+        return
     if not (args.prefill_only or args.decode_budget):
         print(attention_alone(args.batch, args.kv_len), flush=True)
     engine_profile(args, out_dir)
