@@ -73,7 +73,7 @@ def test_fp8_cache_compaction_matches_the_reference_on_dequantized_values(monkey
 
     monkeypatch.setattr(compaction, "select_group", recording)
     state = WorkerEviction.for_prompt("r", RequestEviction(config), E, N,
-                                      q_window={i: expected_inputs[i][0] for i in range(num_layers)} if w else {})
+                                      q_window=torch.stack([expected_inputs[i][0] for i in range(num_layers)]) if w else None)
     compaction.compact_request(state, layers, scale, prompt_blocks, fresh)
     (q_seen, k_seen, v_seen, keep, counts), = seen  # both layers in one group
     keep, counts = keep.view(num_layers, H, E), counts.view(num_layers, H)
