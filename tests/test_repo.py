@@ -1,4 +1,4 @@
-"""Repository contracts: CI runs README's test command; the vLLM version check refuses other versions."""
+"""Repository contracts: CI runs README's test commands (the default suite and the slow tests); the vLLM version check refuses other versions."""
 
 import os
 import re
@@ -16,10 +16,10 @@ def readme_commands() -> list[str]:
 
 def test_ci_runs_readme_test_command():
     commands = readme_commands()
-    test_command = commands[1]
-    assert "pytest" in test_command
+    test_command, slow_command = commands[1], commands[2]
+    assert "pytest" in test_command and slow_command == test_command + " -m slow"
     ci_lines = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()]
-    assert test_command in ci_lines
+    assert test_command in ci_lines and slow_command in ci_lines
     assert "bash scripts/setup.sh" in ci_lines
     assert commands[0].startswith("bash scripts/setup.sh")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 POLICIES = ["snapkv", "streaming"]
 ALLOCATIONS = ["uniform", "adakv"]

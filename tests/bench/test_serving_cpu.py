@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 # tiny Llama: 3 layers x 2 KV heads x 64 dims x K,V x fp32 = 3,072 bytes per token -> an 8,192-token cache

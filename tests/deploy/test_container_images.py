@@ -31,7 +31,7 @@ SKIP_STATUS = 77
 TIMEOUT_S = float(os.environ.get("VLLM_EVICT_IMAGE_TEST_TIMEOUT", "3000"))
 TOOLS = ("buildah", "podman", "debootstrap")
 
-pytestmark = [pytest.mark.engine, pytest.mark.container]
+pytestmark = [pytest.mark.engine, pytest.mark.container, pytest.mark.slow]
 
 
 def _cannot_run() -> str | None:
