@@ -46,9 +46,28 @@ def test_session16_plans(serving):
     assert '{"policy": "dropkv", "decode_budget": 1024, "allocation": "adakv"}' in evict
     assert plans["reasoning34c"][0] == plans["reasoning34limit"][0]
     assert [e for e, *_ in plans["reasoning34b"]] == ["vanilla", "evict"]
-    script = (ROOT / "benchmarks" / "device_session16.sh").read_text()
-    for name in ("fp8perf32a", "fp8perf32b", "reasoning34b", "reasoning34c", "reasoning34limit"):
-        assert f"device_session16.sh {name}" in script or name in script
+    documented = (ROOT / "docs" / "BENCHMARKS.md").read_text()  # each call's command, where its results are
+    for name in ("fp8perf32a", "fp8perf32b", "reasoning34b", "reasoning34c"):
+        assert f"{name}`" in documented, name
+
+
+def test_session17_plans(serving):
+    """Ada-KV decode budgets beside their vanilla (issue 34) and the no-eviction step table (issues 34, 31);
+    device_calls.sh runs the serving plans and its own profile plans."""
+    plans = serving.PLANS
+    for name in ("reasoning34d", "reasoning34e"):
+        (vanilla, _, vanilla_args, _), (evict, _, evict_args, _) = plans[name]
+        assert (vanilla, evict) == ("vanilla", "evict") and vanilla_args == serving.REASONING34_ARGS
+        assert evict_args[: len(vanilla_args)] == vanilla_args and "--decode-configs" in evict_args
+    assert '"allocation": "adakv"' in plans["reasoning34d"][1][2][-1]
+    vanilla, evict = plans["decode17"]
+    assert "--decode-budget" not in vanilla[2] and evict[2][evict[2].index("--decode-allocations") + 1:] == [
+        "uniform", "adakv"]
+    script = (ROOT / "benchmarks" / "device_calls.sh").read_text()
+    documented = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    for name in ("reasoning34d", "reasoning34e", "decode17", "profile-decode34", "profile-adakv31", "profile-splits86"):
+        assert f"device_calls.sh {name}" in documented or f"`... {name}`" in documented, name
+        assert name in script or name in plans, name
 
 
 CASES = [  # prompt, max_tokens, decode_budget, decode_every

@@ -16,6 +16,8 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a few minutes of fuzzing; CI runs it with -m slow
+
 schemathesis = pytest.importorskip("schemathesis")
 
 import httpx  # noqa: E402

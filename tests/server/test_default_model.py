@@ -13,7 +13,7 @@ import pytest
 
 from tests.server.process import free_port, launch, stop_server
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 httpx = pytest.importorskip("httpx")
 
 # The README's first request (keep the two in step).

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 LOAD = Path(__file__).resolve().parents[2] / "benchmarks" / "load.py"
 RSS_GROWTH_BOUND = 1.25
 
@@ -19,6 +21,7 @@ def load_module():
     return module
 
 
+@pytest.mark.slow  # 45 s of load on a real server; CI runs it with -m slow
 def test_short_load_loses_nothing_and_leaks_nothing(server_factory, tmp_path):
     server = server_factory()
     result = load_module().main(["--url", server.url, "--clients", "16", "--seconds", "45", "--prompt-len", "200",
