@@ -46,6 +46,10 @@ declare -A PROFILES=(
   # 64 x 1640: the two shapes' kept KV; ~20 s each)
   [profile-splits86]="--attention-splits --batch 86 --kv-len 820"
   [profile-splits64]="--attention-splits --batch 64 --kv-len 1640"
+  # issue 31, session 18: split against unsplit over shapes and head spreads, with per_head.split_kv's choice
+  # (its SPLIT_KV_RATIO is set from this; ~60 s)
+  [profile-splits18]="--attention-splits --split-shapes 16:1640 32:1640 48:2048 64:1640 86:820 86:1800 120:1000
+                      --spreads 0 0.5 1 1.5 2 2.5 --num-splits 1 32"
 )
 raw=/tmp/device-calls-raw
 rm -rf "$raw" && mkdir -p "$raw"

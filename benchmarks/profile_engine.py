@@ -83,48 +83,55 @@ def attention_alone(batch: int, kv_len: int) -> dict:
     return res
 
 
-def attention_splits(batch: int, kv_len: int, spread: float = 1.5) -> list[dict]:
+def attention_splits(shapes: list[tuple[int, int]], spreads: list[float], splits_list: list[int]) -> list[dict]:
     """Issue 31: the per-head FlashAttention decode call on the engine's HND cache (one KV head per virtual
-    sequence) with every head at kv_len tokens and with Ada-KV-like uneven heads (each request's 8 heads
-    share 8*kv_len tokens in proportions softmax(spread * N(0, 1))), per num_splits (0: FA's heuristic; k:
-    dynamic splits of at most k, what the FULL graphs pass). Same total KV in both rows."""
+    sequence), per (batch, kv_len) shape and spread: each request's 8 heads share 8*kv_len tokens in
+    proportions softmax(spread * N(0, 1)) (spread 0: every head at kv_len), per num_splits (0: FA's
+    heuristic; k: dynamic splits of at most k, what the split per-head graphs pass). Each row also gives
+    rho = longest head * SMs / total tokens and per_head.split_kv's choice for it."""
     from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
 
+    from vllm_evict.engine.per_head import split_kv
+
     H, G, D, N = 8, 4, 128, 16
     dev, dt = "cuda", torch.bfloat16
-    gen = torch.Generator().manual_seed(0)
-    shares = torch.softmax(spread * torch.randn(batch, H, generator=gen), dim=-1)
-    uneven = (shares * H * kv_len).round().clamp(min=N).to(torch.int32).flatten()
-    layouts = {"even": torch.full((batch * H,), kv_len, dtype=torch.int32), "uneven": uneven}
-    pages_needed = max(int(((lens + N - 1) // N).sum()) for lens in layouts.values())
-    kv = torch.randn(pages_needed // H + 2, H, N, 2 * D, device=dev, dtype=dt)
-    paged = kv.view(-1, 1, N, 2 * D).transpose(1, 2)
-    kp, vp = (canonicalize_singleton_dim_strides(x) for x in paged.split(D, dim=-1))
-    q = torch.randn(batch * H, G, D, device=dev, dtype=dt)
-    out = torch.empty_like(q)
-    cu = torch.arange(batch * H + 1, device=dev, dtype=torch.int32)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     version = get_flash_attn_version()
+    gen = torch.Generator().manual_seed(0)
     rows = []
-    for name, lens in layouts.items():
-        counts = ((lens + N - 1) // N).tolist()
-        order = torch.randperm(kv.shape[0] * H, generator=gen)
-        table = torch.zeros(batch * H, max(counts), dtype=torch.int32)
-        start = 0
-        for i, c in enumerate(counts):
-            table[i, :c] = order[start: start + c]
-            start += c
-        table, seqused = table.to(dev), lens.to(dev)
-        for splits in (0, 1, 2, 4, 8, 16, 32):
-            def call():
-                flash_attn_varlen_func(q=q, k=kp, v=vp, out=out, cu_seqlens_q=cu, max_seqlen_q=1, seqused_k=seqused,
-                                       max_seqlen_k=int(lens.max()), softmax_scale=D ** -0.5, causal=True,
-                                       block_table=table, fa_version=version, num_splits=splits)
-            ms = bench(call, iters=50)
-            rows.append({"heads": name, "batch": batch, "kv_len": kv_len, "max_head": int(lens.max()),
-                         "num_splits": splits, "ms": round(ms, 4),
-                         "TBps": round(2 * int(lens.sum()) * D * 2 / ms / 1e9, 3)})
-            print(json.dumps(rows[-1]), flush=True)
+    for batch, kv_len in shapes:
+        layouts = {}
+        for spread in spreads:
+            shares = torch.softmax(spread * torch.randn(batch, H, generator=gen), dim=-1)
+            layouts[spread] = (shares * H * kv_len).round().clamp(min=N).to(torch.int32).flatten()
+        pages_needed = max(int(((lens + N - 1) // N).sum()) for lens in layouts.values())
+        kv = torch.randn(pages_needed // H + 2, H, N, 2 * D, device=dev, dtype=dt)
+        paged = kv.view(-1, 1, N, 2 * D).transpose(1, 2)
+        kp, vp = (canonicalize_singleton_dim_strides(x) for x in paged.split(D, dim=-1))
+        q = torch.randn(batch * H, G, D, device=dev, dtype=dt)
+        out = torch.empty_like(q)
+        cu = torch.arange(batch * H + 1, device=dev, dtype=torch.int32)
+        for spread, lens in layouts.items():
+            counts = ((lens + N - 1) // N).tolist()
+            order = torch.randperm(kv.shape[0] * H, generator=gen)
+            table = torch.zeros(batch * H, max(counts), dtype=torch.int32)
+            start = 0
+            for i, c in enumerate(counts):
+                table[i, :c] = order[start: start + c]
+                start += c
+            table, seqused = table.to(dev), lens.to(dev)
+            longest, total = int(lens.max()), int(lens.sum())
+            for splits in splits_list:
+                def call():
+                    flash_attn_varlen_func(q=q, k=kp, v=vp, out=out, cu_seqlens_q=cu, max_seqlen_q=1, seqused_k=seqused,
+                                           max_seqlen_k=longest, softmax_scale=D ** -0.5, causal=True,
+                                           block_table=table, fa_version=version, num_splits=splits)
+                ms = bench(call, iters=50)
+                rows.append({"batch": batch, "kv_len": kv_len, "spread": spread, "max_head": longest,
+                             "rho": round(longest * num_sms / total, 3), "rule_splits": split_kv(longest, total, num_sms),
+                             "num_splits": splits, "ms": round(ms, 4), "TBps": round(2 * total * D * 2 / ms / 1e9, 3)})
+                print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -363,11 +370,17 @@ def main():
     ap.add_argument("--decode-every", type=int, default=128)
     ap.add_argument("--profile-steps", type=int, default=0, help="--decode-budget: steps profiled (0: --decode-every)")
     ap.add_argument("--attention-splits", action="store_true",
-                    help="only the per-head FlashAttention call, even against uneven heads, per num_splits")
+                    help="only the per-head FlashAttention call, per shape, head spread and num_splits")
+    ap.add_argument("--split-shapes", nargs="+", default=None, help="--attention-splits: BATCH:KV_LEN shapes "
+                    "(default --batch:--kv-len)")
+    ap.add_argument("--spreads", type=float, nargs="+", default=[0.0, 1.5], help="--attention-splits: head spreads")
+    ap.add_argument("--num-splits", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16, 32])
     args = ap.parse_args()
     out_dir = Path(args.out_dir)
     if args.attention_splits:
-        attention_splits(args.batch, args.kv_len)
+        shapes = [tuple(int(x) for x in shape.split(":")) for shape in args.split_shapes or
+                  [f"{args.batch}:{args.kv_len}"]]
+        attention_splits(shapes, args.spreads, args.num_splits)
         return
     if not (args.prefill_only or args.decode_budget):
         print(attention_alone(args.batch, args.kv_len), flush=True)

@@ -44,6 +44,7 @@ It is never used for vanilla, where shared blocks would inflate capacity.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -160,7 +161,7 @@ def eviction_of(args, budget: float | None = None, allocation: str | None = None
         return None
     budget = budget if budget is not None else args.budget
     return {"policy": args.policy, **({"budget": budget} if budget > 0 else {}),
-            "allocation": allocation or args.allocation, **args.eviction_options}
+            "allocation": allocation or args.allocation.split(",")[0], **args.eviction_options}
 
 
 def report_of(out) -> dict | None:
@@ -385,19 +386,24 @@ def suite_e2e(args, drv: Driver, deadline: float) -> dict:
     limit = prefill-only wall time + that decode-phase time."""
     shapes = []
     prompt_len = args.prompt_len  # restored for the suites after this one on the same engine
-    for length, out_tokens, num in args.shapes:
+    allocations = args.allocation.split(",")  # the evict engine runs every shape once per allocation
+    for (length, out_tokens, num), allocation in itertools.product(args.shapes, allocations):
         args.prompt_len = length
         # distinct prompts whatever --shared-prefix says (it is for a load/capacity suite on the same engine)
         row = {"shape": f"{length} in / {out_tokens} out x {num}",
-               "load": run_load(args, drv, deadline, num, out_tokens, eviction_of(args), False, shared_prefix=False)}
-        if args.engine == "vanilla":
+               "load": run_load(args, drv, deadline, num, out_tokens, eviction_of(args, allocation=allocation),
+                                False, shared_prefix=False)}
+        if args.engine == "evict":
+            row["allocation"] = allocation
+        else:
             row["prefill_only"] = run_load(args, drv, deadline, num, 1, None, False, shared_prefix=False)
             args.prompt_len = int(round(length * args.budget))
             row["decode_at_evicted_kv"] = run_load(args, drv, deadline, num, out_tokens, None, False,
                                                    shared_prefix=False)
             row["limit_s"] = round(row["prefill_only"]["wall_s"] + row["decode_at_evicted_kv"]["decode_s"], 2)
         shapes.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k in ("shape", "limit_s")}), flush=True)
+        print(json.dumps({"wall_s": row["load"].get("wall_s"), "decode_s": row["load"].get("decode_s"),
+                          **{k: v for k, v in row.items() if k in ("shape", "allocation", "limit_s")}}), flush=True)
     args.prompt_len = prompt_len
     return {"shapes": shapes}
 
@@ -675,6 +681,7 @@ PREFILL_ARGS = ["--prefill-shapes", "8192:32", "16384:32", "32768:16", "--ttft-l
 PREFILL14_ARGS = ["--prefill-shapes", "8192:64", "16384:64", "32768:32", "--ttft-lengths", "8192", "32768",
                   "--repeats", "3", "--max-model-len", "33280"]
 E2E_SHAPES = ["--shapes", "32768:256:8", "16384:512:16", "8192:2048:32", "--max-model-len", "33280"]
+ADAKV31_SHAPES = ["--shapes", "8192:2048:86", "16384:512:64", "--max-model-len", "16896"]
 TP16_E2E = ["--tensor-parallel-size", "2", "--shapes", "32768:256:48", "16384:512:96", "--max-model-len", "33280"]
 DECODE34_ARGS = ["--prompt-len", "1024", "--max-tokens", "2048", "--num-requests", "64",
                  "--kv-cache-memory-bytes", str(8 << 30), "--max-model-len", "4096"]
@@ -771,6 +778,10 @@ PLANS = {
     "tp16b": [("vanilla", "e2e", TP16_E2E, 300), ("evict", "e2e", TP16_E2E, 240)],
     "tp16c": [("vanilla", "e2e", TP16_E2E, 300), ("evict", "e2e", TP16_E2E + ["--allocation", "adakv"], 240)],
     "e2e13": [("vanilla", "e2e", E2E_SHAPES, 300), ("evict", "e2e", E2E_SHAPES, 220)],
+    # issue 31, session 18: its two shapes end to end (vanilla with the physical limit), DropKV 10% uniform
+    # against Ada-KV on one engine
+    "adakv31": [("vanilla", "e2e", ADAKV31_SHAPES, 320),
+                ("evict", "e2e", ADAKV31_SHAPES + ["--allocation", "uniform,adakv"], 300)],
     "latency": [("vanilla", "latency", [], 240), ("evict", "latency", [], 300)],
     # decode-step latency and 32K decode throughput without TTFT cases or capacity runs (one call)
     # (the first engine of a fresh machine compiles: ~90 s of its budget)
@@ -920,7 +931,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--model", default=None, help="GPU: the model config directory (default: written to --workdir)")
     o.add_argument("--policy", default="dropkv")
     o.add_argument("--budget", type=float, default=0.1)
-    o.add_argument("--allocation", default="uniform")
+    o.add_argument("--allocation", default="uniform", help="suite e2e: several joined by commas (a run each)")
     o.add_argument("--eviction-options", type=json.loads, default={},
                    help='more fields of the eviction object, as JSON: \'{"chunked": true, "chunk_size": 512}\'')
     o.add_argument("--decode-configs", nargs="+", type=json.loads, default=[],

@@ -118,13 +118,17 @@ def test_limit_suite_on_vanilla(tmp_path):
 
 def test_load_at_capacity_and_e2e_on_one_engine(tmp_path):
     """--num-requests 0 (issue 32: decode tok/s at capacity) sizes the load from the pool and the request's
-    compacted blocks; suite e2e after it on the same engine sends distinct prompts despite --shared-prefix."""
+    compacted blocks; suite e2e after it on the same engine sends distinct prompts despite --shared-prefix,
+    once per allocation of --allocation (the load suite takes the first)."""
     run = run_one(tmp_path, "fit", "--engine", "evict", "--suite", "load,e2e", "--prompt-len", "768",
-                  "--max-tokens", "16", "--num-requests", "0", "--shared-prefix", "--shapes", "512:8:4")
+                  "--max-tokens", "16", "--num-requests", "0", "--shared-prefix", "--shapes", "512:8:4",
+                  "--allocation", "uniform,adakv")
     fit = run["fit"]
     assert fit["num_requests"] == run["num_requests"] == 32  # COMMON's --max-num-seqs bounds it on this pool
     assert fit["reserve_blocks"] == 768 // 16 and fit["blocks_per_request"] < 768 // 16
     assert run["stop_reason"] == "all requests finished" and run["shared_prefix"]
-    (shape,) = run["shapes"]
-    assert shape["load"]["shared_prefix"] is False and shape["load"]["stop_reason"] == "all requests finished"
-    assert shape["load"]["prompt_len"] == 512
+    assert [(shape["allocation"], shape["load"]["eviction"]["allocation"]) for shape in run["shapes"]] == [
+        ("uniform", "uniform"), ("adakv", "adakv")]
+    for shape in run["shapes"]:
+        assert shape["load"]["shared_prefix"] is False and shape["load"]["stop_reason"] == "all requests finished"
+        assert shape["load"]["prompt_len"] == 512

@@ -9,6 +9,8 @@ decode-budget requests that compact in place every 16 or 32 generated tokens, on
 early, so the decode steps first hold per-head rows (per-head graphs), then only stock-layout rows (vLLM's
 graphs, or per-head graphs for the steps that record queries or compact); the test records the
 dispatcher's choices, requires each kind of FULL step, and requires every decode-only step to be FULL.
+It runs twice with graphs: per-head graphs that let FlashAttention split KV, and graphs that do not
+(per_head.SPLIT_KV_RATIO forcing either choice), each against the run without graphs.
 
 The baseline is the same torch.compile'd model without CUDA graphs (cudagraph_mode NONE), so the test
 isolates what graph capture and replay change. Against enforce_eager the compiled model's bf16 keys differ
@@ -62,7 +64,7 @@ def generate(model, **engine_overrides):
 
     # (mode, plan has compacted rows, per-head rows, per-head graph, decode only, records queries or compacts)
     # of every real step
-    modes = []
+    modes, splits = [], []  # splits: split_kv of every per-head graph step
     # Recorded where the runner receives the dispatcher's final answer (after the plugin's hooks).
     hooked = GPUModelRunner._determine_batch_execution_and_padding
 
@@ -71,9 +73,12 @@ def generate(model, **engine_overrides):
         mode, desc = result[0], result[1]
         plan = STATE.plan
         if plan is not None:
-            modes.append((mode, bool(plan.compacted_rows), plan.per_head, isinstance(desc, PerHeadDecodeBatch),
+            per_head_graph = isinstance(desc, PerHeadDecodeBatch)
+            modes.append((mode, bool(plan.compacted_rows), plan.per_head, per_head_graph,
                           int(self.query_start_loc.np[plan.num_reqs]) == plan.num_reqs,
                           bool(plan.captures or plan.compacting)))
+            if per_head_graph:
+                splits.append(desc.split_kv)
         return result
 
     GPUModelRunner._determine_batch_execution_and_padding = recording
@@ -91,13 +96,24 @@ def generate(model, **engine_overrides):
         GPUModelRunner._determine_batch_execution_and_padding = hooked
         gc.collect()
         torch.cuda.empty_cache()
-    return outs, [(mode == CUDAGraphMode.FULL, *rest) for mode, *rest in modes]
+    return outs, [(mode == CUDAGraphMode.FULL, *rest) for mode, *rest in modes], splits
 
 
-def test_full_graphs_match_no_graphs(tiny_llama, monkeypatch):
+@pytest.fixture(scope="module")
+def no_graphs(tiny_llama):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        return generate(tiny_llama, compilation_config={"cudagraph_mode": "NONE"})[0]
+
+
+@pytest.mark.parametrize("split_kv", [True, False])
+def test_full_graphs_match_no_graphs(tiny_llama, no_graphs, split_kv, monkeypatch):
+    from vllm_evict.engine import per_head
+
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # dispatcher runs in this process
-    graphs, modes = generate(tiny_llama)
-    no_graphs, _ = generate(tiny_llama, compilation_config={"cudagraph_mode": "NONE"})
+    monkeypatch.setattr(per_head, "SPLIT_KV_RATIO", 0.0 if split_kv else float("inf"))
+    graphs, modes, splits = generate(tiny_llama)
+    assert splits and set(splits) == {split_kv}, f"per-head graphs replayed with split_kv {set(splits)}"
     summary = {k: modes.count(k) for k in set(modes)}  # (FULL?, compacted?, per-head rows?, per-head graph?,
     #                                                    decode only?, records or compacts?) -> steps
     assert any(full and compacted and not per_head and not work for full, compacted, per_head, _, _, work in modes), \

@@ -104,3 +104,34 @@ def test_row_stack_cache_follows_the_batch():
     assert cache["stacked_rows"] is not held
     s3 = compacted_state(rng, 20, 2)
     check_step([None, s2, s3], [rows[0], rows[2], rows[1]], torch.tensor([13, 20, 28]), [1, 1, 1], cache)
+
+
+def test_split_kv_from_the_rows_lengths():
+    """A per-head graph step lets FlashAttention split KV only when the longest virtual sequence holds more
+    than SPLIT_KV_RATIO times the batch's KV tokens per SM. A stock row's heads are at its (shifted) length; a
+    per-head row's longest head is the most any head kept at its point plus the tokens written since."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_evict.engine.worker import WorkerEvictionState
+
+    state = compacted_state(torch.Generator().manual_seed(3), 40, 4)  # E=40, P=4: shift 24
+    state.layers[1].kept[0] = 40  # one head of one layer kept every prompt token
+    state.kept_most()
+    plan = StepPlan(num_reqs=2, states=[None, state], captures=[], compacting=[], compacted_rows=[1],
+                    per_head_rows=[1], per_head_tokens=[1], page_size=N)
+    # row 0: plain, 30 tokens written with this step's; row 1: 50 written (26 after its shift), 10 since E
+    runner = SimpleNamespace(query_start_loc=SimpleNamespace(np=np.array([0, 1, 2])),
+                             input_batch=SimpleNamespace(num_computed_tokens_cpu=np.array([29, 49])))
+    worker = WorkerEvictionState()
+    worker.num_kv_heads = H
+    longest, total = 40 + 10, (30 + 26) * H
+    for num_sms in range(1, 12):
+        worker.num_sms = num_sms
+        expected = longest * num_sms > per_head.SPLIT_KV_RATIO * total
+        assert worker._split_kv(runner, plan) == expected == per_head.split_kv(longest, total, num_sms)
+    # Before its kept counts reach the host, the per-head row counts at its shifted length: 30 is longest.
+    state.most_kept = None
+    worker.num_sms = 9  # 50 * 9 > 1.75 * 168 but 30 * 9 is not
+    assert per_head.split_kv(50, total, 9) and not worker._split_kv(runner, plan)

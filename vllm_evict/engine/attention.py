@@ -91,7 +91,7 @@ class EvictionAttentionMixin:
     def _per_head_attention(self, q, cache, qsl, seq_lens, block_table, max_query_len, max_seq_len, out):
         raise NotImplementedError
 
-    def _per_head_graph_forward(self, layer_idx, query, key, value, cache, attn_metadata, output) -> None:
+    def _per_head_graph_forward(self, layer_idx, query, key, value, cache, attn_metadata, output, split_kv) -> None:
         raise NotImplementedError  # only backends with FULL decode graphs
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -104,9 +104,11 @@ class EvictionAttentionMixin:
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         plan = step_plan(attn_metadata)
-        if attn_metadata is not None and per_head_graph_step():  # captured once, replayed: no plan read
+        graph = per_head_graph_step()
+        if attn_metadata is not None and graph:  # captured once, replayed: no plan read
             self._per_head_graph_forward(extract_layer_index(layer.layer_name), query, key, value,
-                                         self._cached_paged_cache(layer, kv_cache), attn_metadata, output)
+                                         self._cached_paged_cache(layer, kv_cache), attn_metadata, output,
+                                         graph.split_kv)
             return output
         if attn_metadata is None or plan is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,

@@ -130,18 +130,17 @@ class EvictFlashAttentionImpl(EvictionAttentionMixin, FlashAttentionImpl):
             causal=True, alibi_slopes=None, window_size=None, block_table=block_table, softcap=self.logits_soft_cap,
             scheduler_metadata=None, fa_version=self.vllm_flash_attn_version, num_splits=num_splits, **descales)
 
-    def _per_head_graph_forward(self, layer_idx, query, key, value, cache, md, output) -> None:
+    def _per_head_graph_forward(self, layer_idx, query, key, value, cache, md, output, split_kv) -> None:
         """Decode step (one token per row) as per-head virtual sequences, captured in and replayed from a
-        FULL graph: tables from DecodeGraphTables' persistent buffers, nothing read from the host."""
+        FULL graph: tables from DecodeGraphTables' persistent buffers, nothing read from the host. FlashAttention
+        splits KV dynamically (up to the builder's splits for graphs) in the graphs for split_kv steps only."""
         tables: DecodeGraphTables = md.per_head_decode
         H, g, D = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size
         n = md.seq_lens.shape[0]
         pages, lens, slots = tables.layer(layer_idx, md.block_table, md.seq_lens)
         if self.kv_sharing_target_layer_name is None:
             cache.write_pages(key[:n].reshape(n * H, D), value[:n].reshape(n * H, D), slots)
-        # Split the KV of each virtual sequence only while there are few of them (FA3's own threshold for
-        # dynamic splits); beyond that the sequences alone fill the GPU.
-        num_splits = md.max_num_splits if n * H <= 992 else 1
+        num_splits = md.max_num_splits if split_kv else 1
         # q is a strided view of the fused QKV projection: one copy, into the staged queries (window capture,
         # worker.py); the output is written in place.
         q = tables.queries[layer_idx, :n]

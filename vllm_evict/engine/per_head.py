@@ -190,6 +190,24 @@ def virtual_tables(plan, layer: int, block_table: torch.Tensor, seq_lens: torch.
                          seq_lens=step.seq_lens[layer].view(num_heads, -1), slots=step.slots)
 
 
+# FlashAttention 3 splits a sequence's KV dynamically (by its length) only for batches of at most this many
+# sequences; above it the sequences alone fill the GPU and the per-head graphs never split.
+MAX_SPLIT_SEQUENCES = 992
+# Splitting costs a split kernel and a combine even where FlashAttention then keeps one split: an unsplit
+# per-head decode call was 7-15% faster on even and moderately uneven heads, and 10% slower only where one
+# head held about twice the tokens per SM of the whole batch (H200, docs/BENCHMARKS.md, issue 31).
+SPLIT_KV_RATIO = 1.75
+
+
+def split_kv(longest: int, total: int, num_sms: int) -> bool:
+    """Whether a per-head decode step should let FlashAttention split KV: unsplit, one CTA reads each
+    virtual sequence, so the call lasts at least as long as the longest one (`longest` tokens) takes, against
+    the batch's `total` tokens over `num_sms` SMs. Split when the longest holds more than SPLIT_KV_RATIO
+    times the tokens per SM: wrongly splitting costs at most the split's overhead, wrongly not splitting
+    up to a whole sequence's time on one SM."""
+    return longest * num_sms > SPLIT_KV_RATIO * total
+
+
 class DecodeGraphTables:
     """Persistent per-head decode tables for FULL CUDA graphs (kernels/per_head_tables.py), for decode
     steps of one token per row: virtual sequence (r, h) is query row r*H + h, so queries and outputs

@@ -216,6 +216,7 @@ class StepPlan:
     cache: dict = field(default_factory=dict)  # kept across steps (per_head reuses row stacks)
     windows: WindowStore | None = None       # every request's window queries (the attention call records them)
     tables: object | None = None             # per_head.StepTables, built by the first layer
+    split_kv: bool = True                    # which per-head FULL graph replays (per_head.split_kv; CUDA)
 
     @property
     def per_head(self) -> bool:
@@ -229,15 +230,22 @@ class StepPlan:
         return bool(self.per_head_rows or self.captures or self.compacting)
 
 
+@dataclass(frozen=True)
 class PerHeadDecodeBatch(BatchDescriptor):
     """The key of a FULL decode graph whose attention runs per (request, KV head): a distinct key from
-    the stock graph of the same size (dataclass equality compares classes), same fields."""
+    the stock graph of the same size (dataclass equality compares classes), its fields plus whether the
+    graph's FlashAttention calls may split a virtual sequence's KV (per_head.split_kv; two graphs per size
+    where FlashAttention can split)."""
+
+    split_kv: bool = False
 
 
-def per_head_graph_step() -> bool:
-    """Whether this forward is a per-head FULL decode graph (being captured: the plan is not read)."""
-    return is_forward_context_available() and isinstance(get_forward_context().batch_descriptor,
-                                                         PerHeadDecodeBatch)
+def per_head_graph_step() -> PerHeadDecodeBatch | None:
+    """The per-head FULL decode graph this forward runs in (being captured: the plan is not read), or None."""
+    if not is_forward_context_available():
+        return None
+    desc = get_forward_context().batch_descriptor
+    return desc if isinstance(desc, PerHeadDecodeBatch) else None
 
 
 class WorkerEvictionState:
@@ -252,7 +260,9 @@ class WorkerEvictionState:
         self.failed: dict[str, str] = {}         # request id -> why its compaction failed (not yet sent)
         self.trimmed: dict[str, int] = {}        # request id -> F' <= F fresh blocks it keeps (not yet sent)
         self.step_cache: dict = {}               # per_head's cross-step cache (StepPlan.cache)
-        self.capturing_per_head = False          # capturing a PerHeadDecodeBatch graph
+        self.capturing: PerHeadDecodeBatch | None = None  # the per-head graph being captured
+        self.num_sms = 0                         # the GPU's SMs (per_head.split_kv; 0: not CUDA)
+        self.num_kv_heads = 0                    # this rank's KV heads per layer
         self.heads: KVHeadGroup | None = None    # this rank's KV heads (set with `layers`)
         self.windows = WindowStore(0)            # every request's window queries (one per runner)
         self.layers: tuple | None = None         # (runner, attention_layers), set by its first plan
@@ -416,7 +426,28 @@ class WorkerEvictionState:
             plan.max_blocks = max(int(row_blocks.max()), 1)
         if compacted_rows:
             shift_positions(runner, plan)
+        if plan.needs_per_head_graph and self.num_sms:
+            plan.split_kv = self._split_kv(runner, plan)
         self.plan = plan
+
+    def _split_kv(self, runner, plan: StepPlan) -> bool:
+        """per_head.split_kv for this step's virtual sequences, from host-known lengths: every head of a row
+        at the row's (shifted) length, except a per-head row's fullest head: what it kept at the last point
+        (once that copy has arrived; until then the row's length) plus the tokens written since."""
+        from vllm_evict.engine.per_head import split_kv
+
+        num_reqs = plan.num_reqs
+        starts = runner.query_start_loc.np[: num_reqs + 1]
+        written = runner.input_batch.num_computed_tokens_cpu[:num_reqs] + (starts[1:] - starts[:-1])
+        lengths = written.astype("int64")
+        for row in plan.compacted_rows:
+            lengths[row] -= plan.states[row].shift
+        longest = int(lengths.max())
+        for row in plan.per_head_rows:
+            state = plan.states[row]
+            if state.most_kept is not None and state.most_kept.ready():
+                longest = max(longest, state.most_kept.read() + int(written[row]) - state.last_at)
+        return split_kv(longest, int(lengths.sum()) * self.num_kv_heads, self.num_sms)
 
     def _passed_point(self, state: WorkerEviction) -> None:
         """A chunk ran past an eviction point (the scheduler cuts chunks there; this is a bug). A request
@@ -477,6 +508,10 @@ class WorkerEvictionState:
             self.layers = (runner, layers, impls[0].impl.scale)
             self.windows = WindowStore(num_layers=layers[-1][0] + 1)
             self.heads = kv_head_group(runner)
+            cache = layers[0][1]
+            self.num_kv_heads = cache.num_heads
+            self.num_sms = (torch.cuda.get_device_properties(cache.device).multi_processor_count
+                            if cache.device.type == "cuda" else 0)
         return self.layers[1:]
 
     def end_step(self) -> None:
@@ -538,6 +573,9 @@ class HostCopy:
         self.host.copy_(value, non_blocking=True)
         self.event = torch.cuda.Event()
         self.event.record()
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
 
     def read(self) -> int:
         if self.event is not None:
@@ -718,29 +756,38 @@ def install_runner_hooks() -> None:
         # A step with per-head rows, window captures or compactions replays a per-head FULL graph if vLLM
         # picked a FULL decode graph, else runs PIECEWISE or eager (the attention call does the work). Every
         # other step keeps vLLM's choice.
-        plan = STATE.plan
-        per_head = STATE.capturing_per_head or (plan is not None and plan.needs_per_head_graph)
+        # The split or unsplit graph as the plan chose, else the one this size has.
+        plan, capturing = STATE.plan, STATE.capturing
+        per_head = capturing is not None or (plan is not None and plan.needs_per_head_graph)
         mode, desc = orig_dispatch(self, *args, invalid_modes=invalid_modes, **kwargs)
         if per_head and mode == CUDAGraphMode.FULL:
-            per_head_desc = PerHeadDecodeBatch(**dataclasses.asdict(desc))
-            if per_head_desc in self.cudagraph_keys[CUDAGraphMode.FULL]:
-                return mode, per_head_desc
+            split = capturing.split_kv if capturing is not None else plan.split_kv
+            for choice in (split, not split):
+                per_head_desc = PerHeadDecodeBatch(**dataclasses.asdict(desc), split_kv=choice)
+                if per_head_desc in self.cudagraph_keys[CUDAGraphMode.FULL]:
+                    return mode, per_head_desc
             invalid_modes = set(invalid_modes or ()) | {CUDAGraphMode.FULL}
             return orig_dispatch(self, *args, invalid_modes=invalid_modes, **kwargs)
         return mode, desc
 
     def initialize_cudagraph_keys(self, *args, **kwargs):
+        from vllm_evict.engine.per_head import MAX_SPLIT_SEQUENCES
+
         orig_init_keys(self, *args, **kwargs)
+        num_heads = self.vllm_config.model_config.get_num_kv_heads(self.vllm_config.parallel_config)
         for desc in list(self.cudagraph_keys[CUDAGraphMode.FULL]):
             if desc.uniform and self.uniform_decode_query_len == 1:  # one token per row (per_head.py)
-                self.add_cudagraph_key(CUDAGraphMode.FULL, PerHeadDecodeBatch(**dataclasses.asdict(desc)))
+                fields = dataclasses.asdict(desc)
+                self.add_cudagraph_key(CUDAGraphMode.FULL, PerHeadDecodeBatch(**fields))
+                if desc.num_tokens * num_heads <= MAX_SPLIT_SEQUENCES:
+                    self.add_cudagraph_key(CUDAGraphMode.FULL, PerHeadDecodeBatch(**fields, split_kv=True))
 
     def _warmup_and_capture(self, desc, *args, **kwargs):
-        STATE.capturing_per_head = isinstance(desc, PerHeadDecodeBatch)
+        STATE.capturing = desc if isinstance(desc, PerHeadDecodeBatch) else None
         try:
             return orig_warmup_and_capture(self, desc, *args, **kwargs)
         finally:
-            STATE.capturing_per_head = False
+            STATE.capturing = None
 
     def kernel_warmup(worker):
         orig_kernel_warmup(worker)
