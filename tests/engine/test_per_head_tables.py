@@ -106,10 +106,14 @@ def test_row_stack_cache_follows_the_batch():
     check_step([None, s2, s3], [rows[0], rows[2], rows[1]], torch.tensor([13, 20, 28]), [1, 1, 1], cache)
 
 
-def test_split_kv_from_the_rows_lengths():
+def test_split_kv_from_the_rows_lengths(monkeypatch):
     """A per-head graph step lets FlashAttention split KV only when the longest virtual sequence holds more
-    than SPLIT_KV_RATIO times the batch's KV tokens per SM. A stock row's heads are at its (shifted) length; a
-    per-head row's longest head is the most any head kept at its point plus the tokens written since."""
+    than SPLIT_KV_RATIO times the batch's KV tokens per SM, and more than SPLIT_KV_MIN_TOKENS. A stock row's
+    heads are at its (shifted) length; a per-head row's longest head is the most any head kept at its point
+    plus the tokens written since."""
+    assert not per_head.split_kv(per_head.SPLIT_KV_MIN_TOKENS, 1, 132)
+    assert per_head.split_kv(per_head.SPLIT_KV_MIN_TOKENS + 1, 1, 132)
+    monkeypatch.setattr(per_head, "SPLIT_KV_MIN_TOKENS", 0)  # this test's lengths are tiny
     from types import SimpleNamespace
 
     import numpy as np

@@ -193,19 +193,20 @@ def virtual_tables(plan, layer: int, block_table: torch.Tensor, seq_lens: torch.
 # FlashAttention 3 splits a sequence's KV dynamically (by its length) only for batches of at most this many
 # sequences; above it the sequences alone fill the GPU and the per-head graphs never split.
 MAX_SPLIT_SEQUENCES = 992
-# Splitting costs a split kernel and a combine even where FlashAttention then keeps one split: an unsplit
-# per-head decode call was 7-15% faster on even and moderately uneven heads, and 10% slower only where one
-# head held about twice the tokens per SM of the whole batch (H200, docs/BENCHMARKS.md, issue 31).
+# Splitting costs a split kernel and a combine per call even where FlashAttention then keeps one split, and
+# unsplit, one CTA reads each virtual sequence: the call lasts at least as long as the longest one takes. The
+# per-head graphs split when the longest sequence holds more than SPLIT_KV_RATIO times the batch's KV tokens
+# per SM and more than SPLIT_KV_MIN_TOKENS (below that one CTA reads it about as fast as a split call starts).
+# Fitted on the per-head call alone over 42 shapes and head spreads (H200, docs/BENCHMARKS.md, issue 31):
+# 0.3% slower than the faster choice on average, 6.4% at worst; always splitting (before) 6.1% and 27%.
 SPLIT_KV_RATIO = 1.75
+SPLIT_KV_MIN_TOKENS = 4096
 
 
 def split_kv(longest: int, total: int, num_sms: int) -> bool:
-    """Whether a per-head decode step should let FlashAttention split KV: unsplit, one CTA reads each
-    virtual sequence, so the call lasts at least as long as the longest one (`longest` tokens) takes, against
-    the batch's `total` tokens over `num_sms` SMs. Split when the longest holds more than SPLIT_KV_RATIO
-    times the tokens per SM: wrongly splitting costs at most the split's overhead, wrongly not splitting
-    up to a whole sequence's time on one SM."""
-    return longest * num_sms > SPLIT_KV_RATIO * total
+    """Whether a per-head decode step lets FlashAttention split KV, for virtual sequences of `total` tokens
+    whose longest holds `longest`, on `num_sms` SMs."""
+    return longest > SPLIT_KV_MIN_TOKENS and longest * num_sms > SPLIT_KV_RATIO * total
 
 
 class DecodeGraphTables:
