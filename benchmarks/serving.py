@@ -782,6 +782,10 @@ PLANS = {
     # against Ada-KV on one engine
     "adakv31": [("vanilla", "e2e", ADAKV31_SHAPES, 320),
                 ("evict", "e2e", ADAKV31_SHAPES + ["--allocation", "uniform,adakv"], 300)],
+    # the same at 86 x 8K with SnapKV (the Ada-KV row)
+    "adakv31s": [("vanilla", "e2e", ADAKV31_SHAPES[:2] + ADAKV31_SHAPES[3:], 240),
+                 ("evict", "e2e", ADAKV31_SHAPES[:2] + ADAKV31_SHAPES[3:] + ["--policy", "snapkv", "--allocation",
+                                                                              "uniform,adakv"], 240)],
     "latency": [("vanilla", "latency", [], 240), ("evict", "latency", [], 300)],
     # decode-step latency and 32K decode throughput without TTFT cases or capacity runs (one call)
     # (the first engine of a fresh machine compiles: ~90 s of its budget)
