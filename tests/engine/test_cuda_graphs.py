@@ -10,7 +10,7 @@ early, so the decode steps first hold per-head rows (per-head graphs), then only
 graphs, or per-head graphs for the steps that record queries or compact); the test records the
 dispatcher's choices, requires each kind of FULL step, and requires every decode-only step to be FULL.
 It runs twice with graphs: per-head graphs that let FlashAttention split KV, and graphs that do not
-(per_head.SPLIT_KV_RATIO forcing either choice), each against the run without graphs.
+(per_head.SPLIT_KV_RATIO and SPLIT_KV_MIN_TOKENS forcing either choice), each against the run without graphs.
 
 The baseline is the same torch.compile'd model without CUDA graphs (cudagraph_mode NONE), so the test
 isolates what graph capture and replay change. Against enforce_eager the compiled model's bf16 keys differ
@@ -112,6 +112,7 @@ def test_full_graphs_match_no_graphs(tiny_llama, no_graphs, split_kv, monkeypatc
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # dispatcher runs in this process
     monkeypatch.setattr(per_head, "SPLIT_KV_RATIO", 0.0 if split_kv else float("inf"))
+    monkeypatch.setattr(per_head, "SPLIT_KV_MIN_TOKENS", 0)
     graphs, modes, splits = generate(tiny_llama)
     assert splits and set(splits) == {split_kv}, f"per-head graphs replayed with split_kv {set(splits)}"
     summary = {k: modes.count(k) for k in set(modes)}  # (FULL?, compacted?, per-head rows?, per-head graph?,
