@@ -70,6 +70,24 @@ def test_session17_plans(serving):
         assert name in script or name in plans, name
 
 
+def test_session18_plans(serving):
+    """Issue 31: its two shapes, uniform and Ada-KV on one evict engine beside vanilla's limit; the split sweep."""
+    plans = serving.PLANS
+    for name, policy in (("adakv31", "dropkv"), ("adakv31s", "snapkv")):
+        (vanilla, suite, vanilla_args, _), (evict, _, evict_args, _) = plans[name]
+        assert (vanilla, evict, suite) == ("vanilla", "evict", "e2e")
+        args = serving.build_parser().parse_args(["one", "--engine", "evict", "--suite", "e2e", "--out", "x",
+                                                  *evict_args])
+        assert args.allocation.split(",") == ["uniform", "adakv"] and args.policy == policy
+        assert evict_args[: len(vanilla_args)] == vanilla_args and "8192:2048:86" in vanilla_args
+    assert "16384:512:64" in plans["adakv31"][0][2]
+    script = (ROOT / "benchmarks" / "device_calls.sh").read_text()
+    documented = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    for name in ("adakv31", "adakv31s", "profile-splits18", "profile-adakv31"):
+        assert f"device_calls.sh {name}" in documented, name
+        assert name in script or name in plans, name
+
+
 CASES = [  # prompt, max_tokens, decode_budget, decode_every
     (1024, 4096, 1024, None), (1024, 4096, 2048, None), (1024, 600, 512, 128), (64, 200, 32, 16),
     (100, 300, 48, 40), (1024, 4096, 8192, None),

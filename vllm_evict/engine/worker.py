@@ -575,7 +575,9 @@ class HostCopy:
         self.event.record()
 
     def ready(self) -> bool:
-        return self.event is None or self.event.query()
+        if self.event is not None and self.event.query():
+            self.event = None  # arrived: later calls read the host copy without asking the stream
+        return self.event is None
 
     def read(self) -> int:
         if self.event is not None:
