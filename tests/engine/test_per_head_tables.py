@@ -124,7 +124,8 @@ def test_split_kv_from_the_rows_lengths(monkeypatch):
     state.layers[1].kept[0] = 40  # one head of one layer kept every prompt token
     state.kept_most()
     plan = StepPlan(num_reqs=2, states=[None, state], captures=[], compacting=[], compacted_rows=[1],
-                    per_head_rows=[1], per_head_tokens=[1], page_size=N)
+                    per_head_rows=[1], per_head_tokens=[1], page_size=N,
+                    row_shift=np.array([0, state.shift]))  # as shift_positions records it
     # row 0: plain, 30 tokens written with this step's; row 1: 50 written (26 after its shift), 10 since E
     runner = SimpleNamespace(query_start_loc=SimpleNamespace(np=np.array([0, 1, 2])),
                              input_batch=SimpleNamespace(num_computed_tokens_cpu=np.array([29, 49])))
@@ -136,6 +137,6 @@ def test_split_kv_from_the_rows_lengths(monkeypatch):
         expected = longest * num_sms > per_head.SPLIT_KV_RATIO * total
         assert worker._split_kv(runner, plan) == expected == per_head.split_kv(longest, total, num_sms)
     # Before its kept counts reach the host, the per-head row counts at its shifted length: 30 is longest.
-    state.most_kept = None
+    state.most_kept = state.fullest_offset = None
     worker.num_sms = 9  # 50 * 9 > 1.75 * 168 but 30 * 9 is not
     assert per_head.split_kv(50, total, 9) and not worker._split_kv(runner, plan)

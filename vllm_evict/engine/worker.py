@@ -115,6 +115,7 @@ class WorkerEviction(FollowsSchedule):
     failed: bool = False                # its compaction raised: it runs as stock until the scheduler ends it
     used_blocks: "HostCopy | None" = None  # Ada-KV under TP: the F' <= F fresh blocks its layout spans
     most_kept: "HostCopy | None" = None    # per-head layout: the most tokens a head kept at the last point
+    fullest_offset: int | None = None      # most_kept less the last point's position, once on the host
 
     def __post_init__(self) -> None:
         self.blocks = self.blocks or (self.pages or 0)
@@ -178,7 +179,14 @@ class WorkerEviction(FollowsSchedule):
 
         self.stacked = None
         _, kept = stacked_counts(self, next(iter(self.layers.values())).kept.device)
-        self.most_kept = HostCopy(kept.amax())
+        self.most_kept, self.fullest_offset = HostCopy(kept.amax()), None
+
+    def fullest_head(self, written: int) -> int | None:
+        """Tokens the fullest head holds with `written` tokens written (per-head layout), or None until the
+        last point's copy has reached the host (no wait)."""
+        if self.fullest_offset is None and self.most_kept is not None and self.most_kept.ready():
+            self.fullest_offset = self.most_kept.read() - self.last_at
+        return None if self.fullest_offset is None else self.fullest_offset + written
 
     @property
     def stock_layout(self) -> bool:
@@ -217,6 +225,7 @@ class StepPlan:
     windows: WindowStore | None = None       # every request's window queries (the attention call records them)
     tables: object | None = None             # per_head.StepTables, built by the first layer
     split_kv: bool = True                    # which per-head FULL graph replays (per_head.split_kv; CUDA)
+    row_shift: "np.ndarray | None" = None    # [num_reqs] positions each row is shifted by (shift_positions)
 
     @property
     def per_head(self) -> bool:
@@ -439,14 +448,13 @@ class WorkerEvictionState:
         num_reqs = plan.num_reqs
         starts = runner.query_start_loc.np[: num_reqs + 1]
         written = runner.input_batch.num_computed_tokens_cpu[:num_reqs] + (starts[1:] - starts[:-1])
-        lengths = written.astype("int64")
-        for row in plan.compacted_rows:
-            lengths[row] -= plan.states[row].shift
+        lengths = written - plan.row_shift if plan.row_shift is not None else written
         longest = int(lengths.max())
+        written = written.tolist()
         for row in plan.per_head_rows:
-            state = plan.states[row]
-            if state.most_kept is not None and state.most_kept.ready():
-                longest = max(longest, state.most_kept.read() + int(written[row]) - state.last_at)
+            fullest = plan.states[row].fullest_head(written[row])
+            if fullest is not None and fullest > longest:
+                longest = fullest
         return split_kv(longest, int(lengths.sum()) * self.num_kv_heads, self.num_sms)
 
     def _passed_point(self, state: WorkerEviction) -> None:
@@ -533,6 +541,7 @@ def shift_positions(runner, plan: StepPlan) -> None:
     for row in plan.compacted_rows:
         row_shift[row] = plan.states[row].shift
     device = runner.seq_lens.device
+    plan.row_shift = row_shift
     shift = host_to_device(row_shift.tolist(), device)
     runner.seq_lens[:num_reqs] -= shift.to(runner.seq_lens.dtype)
     num_tokens = int(runner.query_start_loc.np[num_reqs])
