@@ -50,6 +50,9 @@ declare -A PROFILES=(
   # (its SPLIT_KV_RATIO is set from this; ~60 s)
   [profile-splits18]="--attention-splits --split-shapes 16:1640 32:1640 48:2048 64:1640 86:820 86:1800 120:1000
                       --spreads 0 0.5 1 1.5 2 2.5 --num-splits 1 32"
+  # issue 31, session 18: the unsplit call with the virtual sequences as they come against longest first (~30 s)
+  [profile-order18]="--attention-splits --split-shapes 64:1640 86:820 86:1800 120:1000 --spreads 0.5 1 1.5 2
+                     --num-splits 1 --orders natural longest"
 )
 raw=/tmp/device-calls-raw
 rm -rf "$raw" && mkdir -p "$raw"

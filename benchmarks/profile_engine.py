@@ -83,11 +83,13 @@ def attention_alone(batch: int, kv_len: int) -> dict:
     return res
 
 
-def attention_splits(shapes: list[tuple[int, int]], spreads: list[float], splits_list: list[int]) -> list[dict]:
+def attention_splits(shapes: list[tuple[int, int]], spreads: list[float], splits_list: list[int],
+                     orders: tuple[str, ...] = ("natural",)) -> list[dict]:
     """Issue 31: the per-head FlashAttention decode call on the engine's HND cache (one KV head per virtual
     sequence), per (batch, kv_len) shape and spread: each request's 8 heads share 8*kv_len tokens in
     proportions softmax(spread * N(0, 1)) (spread 0: every head at kv_len), per num_splits (0: FA's
-    heuristic; k: dynamic splits of at most k, what the split per-head graphs pass). Each row also gives
+    heuristic; k: dynamic splits of at most k, what the split per-head graphs pass), per order of the
+    sequences (natural: as generated; longest: longest first). Each row also gives
     rho = longest head * SMs / total tokens and per_head.split_kv's choice for it."""
     from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
@@ -114,24 +116,29 @@ def attention_splits(shapes: list[tuple[int, int]], spreads: list[float], splits
         cu = torch.arange(batch * H + 1, device=dev, dtype=torch.int32)
         for spread, lens in layouts.items():
             counts = ((lens + N - 1) // N).tolist()
-            order = torch.randperm(kv.shape[0] * H, generator=gen)
+            page_ids = torch.randperm(kv.shape[0] * H, generator=gen)
             table = torch.zeros(batch * H, max(counts), dtype=torch.int32)
             start = 0
             for i, c in enumerate(counts):
-                table[i, :c] = order[start: start + c]
+                table[i, :c] = page_ids[start: start + c]
                 start += c
-            table, seqused = table.to(dev), lens.to(dev)
             longest, total = int(lens.max()), int(lens.sum())
-            for splits in splits_list:
-                def call():
-                    flash_attn_varlen_func(q=q, k=kp, v=vp, out=out, cu_seqlens_q=cu, max_seqlen_q=1, seqused_k=seqused,
-                                           max_seqlen_k=longest, softmax_scale=D ** -0.5, causal=True,
-                                           block_table=table, fa_version=version, num_splits=splits)
-                ms = bench(call, iters=50)
-                rows.append({"batch": batch, "kv_len": kv_len, "spread": spread, "max_head": longest,
-                             "rho": round(longest * num_sms / total, 3), "rule_splits": split_kv(longest, total, num_sms),
-                             "num_splits": splits, "ms": round(ms, 4), "TBps": round(2 * total * D * 2 / ms / 1e9, 3)})
-                print(json.dumps(rows[-1]), flush=True)
+            for order in orders:
+                # FA3 hands out the virtual sequences in index order: "longest" lists them longest first
+                perm = torch.argsort(lens, descending=True) if order == "longest" else torch.arange(lens.numel())
+                ordered_table, seqused = table[perm].to(dev), lens[perm].to(dev)
+                for splits in splits_list:
+                    def call():
+                        flash_attn_varlen_func(q=q, k=kp, v=vp, out=out, cu_seqlens_q=cu, max_seqlen_q=1,
+                                               seqused_k=seqused, max_seqlen_k=longest, softmax_scale=D ** -0.5,
+                                               causal=True, block_table=ordered_table, fa_version=version,
+                                               num_splits=splits)
+                    ms = bench(call, iters=50)
+                    rows.append({"batch": batch, "kv_len": kv_len, "spread": spread, "order": order,
+                                 "max_head": longest, "rho": round(longest * num_sms / total, 3),
+                                 "rule_splits": split_kv(longest, total, num_sms), "num_splits": splits,
+                                 "ms": round(ms, 4), "TBps": round(2 * total * D * 2 / ms / 1e9, 3)})
+                    print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -375,12 +382,14 @@ def main():
                     "(default --batch:--kv-len)")
     ap.add_argument("--spreads", type=float, nargs="+", default=[0.0, 1.5], help="--attention-splits: head spreads")
     ap.add_argument("--num-splits", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16, 32])
+    ap.add_argument("--orders", nargs="+", choices=["natural", "longest"], default=["natural"],
+                    help="--attention-splits: orders of the virtual sequences")
     args = ap.parse_args()
     out_dir = Path(args.out_dir)
     if args.attention_splits:
         shapes = [tuple(int(x) for x in shape.split(":")) for shape in args.split_shapes or
                   [f"{args.batch}:{args.kv_len}"]]
-        attention_splits(shapes, args.spreads, args.num_splits)
+        attention_splits(shapes, args.spreads, args.num_splits, tuple(args.orders))
         return
     if not (args.prefill_only or args.decode_budget):
         print(attention_alone(args.batch, args.kv_len), flush=True)
