@@ -154,7 +154,7 @@ class WorkerEviction(FollowsSchedule):
         fullest head holds (read off the last compaction's copy, done long since: no wait)."""
         if self.stock_layout:
             return self.point.held
-        return self.most_kept.read() + self.point.at - self.last_at
+        return self.fullest_head(self.point.at, wait=True)
 
     def advance(self, windows: WindowStore | None = None) -> None:
         """The compaction at the next point has run: positions shift by that point minus what it holds, and
@@ -166,7 +166,7 @@ class WorkerEviction(FollowsSchedule):
         if point.evicts and not self.stock_layout:  # a new per-head layout (stacked by `kept_most`): new tables
             self.serial = next(_SERIALS)
         self.done += 1
-        self.q_window = None
+        self.q_window, self.fullest_offset = None, None  # last_at moved
         following = self.point
         step = self.window if following is None else following.at - point.at
         if step < self.window and windows is not None and self.window_offset >= 0:
@@ -181,10 +181,10 @@ class WorkerEviction(FollowsSchedule):
         _, kept = stacked_counts(self, next(iter(self.layers.values())).kept.device)
         self.most_kept, self.fullest_offset = HostCopy(kept.amax()), None
 
-    def fullest_head(self, written: int) -> int | None:
-        """Tokens the fullest head holds with `written` tokens written (per-head layout), or None until the
-        last point's copy has reached the host (no wait)."""
-        if self.fullest_offset is None and self.most_kept is not None and self.most_kept.ready():
+    def fullest_head(self, written: int, wait: bool = False) -> int | None:
+        """Tokens the fullest head holds with `written` tokens written (per-head layout): what it kept at the
+        last point plus the tokens since. Without `wait`, None until that copy has reached the host."""
+        if self.fullest_offset is None and self.most_kept is not None and (wait or self.most_kept.ready()):
             self.fullest_offset = self.most_kept.read() - self.last_at
         return None if self.fullest_offset is None else self.fullest_offset + written
 
