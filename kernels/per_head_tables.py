@@ -14,9 +14,12 @@ Inputs (R rows, H KV heads, W block-table columns, q tokens per row, page = toke
     fresh       [R]    int32   P of rows with per-head pages, else 0
     counts      [R, H] int32   p_h (pages of head h, this layer); 0 where fresh is 0
     kept        [R, H] int32   kept prompt tokens of head h, this layer; 0 where fresh is 0
+    dest        [R*H]  int32   the position of virtual sequence (r, h) in `pages` and `lens` (a permutation
+                               of 0..R*H-1: FlashAttention takes its sequences in that order), or None: r*H + h
 Outputs:
-    pages [R, H, Wv] int32     page ids (block * H + slot); columns past a sequence's length untouched
-    lens  [R, H]     int32     virtual lengths seq_len - P*page + kept_h (0 for padding rows)
+    pages [R*H, Wv]  int32     page ids (block * H + slot) at row dest[r*H + h]; columns past a sequence's
+                               length untouched
+    lens  [R*H]      int32     virtual lengths seq_len - P*page + kept_h (0 for padding rows), at dest[r*H + h]
     slots [R*q, H]   int64     cache slot (page * page_size + offset) of the row's q scheduled tokens,
                                the last q positions of the row; -1 for padding rows
 """
@@ -40,12 +43,15 @@ def _page_ids(col, count_h, start_h, fresh, h):
 
 
 @triton.jit(do_not_specialize=["num_rows", "query_len"])
-def _decode_tables_kernel(block_table, seq_lens, fresh, counts, kept, pages, lens, slots,
+def _decode_tables_kernel(block_table, seq_lens, fresh, counts, kept, dest, pages, lens, slots,
                           num_rows, query_len, stride_bt, stride_pages,
                           NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
-                          BLOCK_C: tl.constexpr, BLOCK_Q: tl.constexpr):
+                          BLOCK_C: tl.constexpr, BLOCK_Q: tl.constexpr, HAS_DEST: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
+    position = r * NUM_HEADS + h
+    if HAS_DEST:
+        position = tl.load(dest + position)
     seq_len = tl.load(seq_lens + r)
     p = tl.load(fresh + r)
     heads = tl.arange(0, BLOCK_H)
@@ -54,9 +60,9 @@ def _decode_tables_kernel(block_table, seq_lens, fresh, counts, kept, pages, len
     count_h = tl.load(counts + r * NUM_HEADS + h)
     kept_h = tl.load(kept + r * NUM_HEADS + h)
     vlen = tl.where(seq_len > 0, seq_len - p * PAGE + kept_h, 0)
-    tl.store(lens + r * NUM_HEADS + h, vlen)
+    tl.store(lens + position, vlen)
     row_table = block_table + r * stride_bt
-    out = pages + (r * NUM_HEADS + h).to(tl.int64) * stride_pages
+    out = pages + position.to(tl.int64) * stride_pages
     num_pages = tl.cdiv(vlen, PAGE)
     for c0 in range(0, num_pages, BLOCK_C):
         col = c0 + tl.arange(0, BLOCK_C)
@@ -77,20 +83,23 @@ def _decode_tables_kernel(block_table, seq_lens, fresh, counts, kept, pages, len
 
 def decode_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, fresh: torch.Tensor, counts: torch.Tensor,
                   kept: torch.Tensor, query_len: int, page_size: int, pages: torch.Tensor, lens: torch.Tensor,
-                  slots: torch.Tensor) -> None:
+                  slots: torch.Tensor, dest: torch.Tensor | None = None) -> None:
     """Fill pages / lens / slots in place (shapes in the module docstring). One launch, no host sync."""
     num_rows, num_heads = counts.shape
-    assert pages.shape[:2] == (num_rows, num_heads) and pages.stride(-1) == 1 and lens.is_contiguous()
-    assert lens.shape == (num_rows, num_heads) and slots.shape == (num_rows * query_len, num_heads)
+    assert pages.shape[0] == num_rows * num_heads and pages.stride(-1) == 1 and lens.is_contiguous()
+    assert lens.shape == (num_rows * num_heads,) and slots.shape == (num_rows * query_len, num_heads)
     assert block_table.stride(-1) == 1 and counts.is_contiguous() and kept.is_contiguous()
+    assert dest is None or (dest.shape == (num_rows * num_heads,) and dest.dtype == torch.int32)
     _decode_tables_kernel[(num_rows, num_heads)](
-        block_table, seq_lens, fresh, counts, kept, pages, lens, slots, num_rows, query_len,
-        block_table.stride(0), pages.stride(1), NUM_HEADS=num_heads, PAGE=page_size,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_C=128, BLOCK_Q=triton.next_power_of_2(query_len))
+        block_table, seq_lens, fresh, counts, kept, dest if dest is not None else lens, pages, lens, slots,
+        num_rows, query_len, block_table.stride(0), pages.stride(0), NUM_HEADS=num_heads, PAGE=page_size,
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_C=128, BLOCK_Q=triton.next_power_of_2(query_len),
+        HAS_DEST=dest is not None)
 
 
 def decode_tables_reference(block_table, seq_lens, fresh, counts, kept, query_len: int, page_size: int):
-    """The same tables, one (row, head, page) at a time: (pages as lists [R][H], lens [R, H], slots [R*q, H])."""
+    """The same tables (without `dest`: natural order), one (row, head, page) at a time: (pages as lists
+    [R][H], lens [R, H], slots [R*q, H])."""
     num_rows, num_heads = counts.shape
     page_lists = [[[] for _ in range(num_heads)] for _ in range(num_rows)]
     lens = torch.zeros(num_rows, num_heads, dtype=torch.int32)

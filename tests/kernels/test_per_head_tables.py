@@ -2,7 +2,7 @@
 
 Fresh random batches mix padding rows (length 0), stock rows (P = 0) and per-head rows with uneven
 (Ada-KV-like) page counts, some of whose heads keep the whole prompt in a partial last page; query
-lengths 1 and 3. CPU (CI): the kernel in the Triton interpreter (subprocess). GPU (``-m gpu``): the
+lengths 1 and 3; the virtual sequences in natural and in random order. CPU (CI): the kernel in the Triton interpreter (subprocess). GPU (``-m gpu``): the
 compiled kernel."""
 
 from __future__ import annotations
@@ -48,16 +48,20 @@ def check(device: str, seed: int) -> None:
         width = 12
         inputs = random_batch(gen, num_rows, num_heads, query_len, width)
         ref_pages, ref_lens, ref_slots = decode_tables_reference(*inputs, query_len, PAGE)
-        pages = torch.full((num_rows, num_heads, width + 4), -7, dtype=torch.int32, device=device)
-        lens = torch.full((num_rows, num_heads), -7, dtype=torch.int32, device=device)
-        slots = torch.full((num_rows * query_len, num_heads), -7, dtype=torch.int64, device=device)
-        decode_tables(*(t.to(device) for t in inputs), query_len, PAGE, pages, lens, slots)
-        assert torch.equal(lens.cpu(), ref_lens), (lens, ref_lens)
-        assert torch.equal(slots.cpu(), ref_slots), (slots, ref_slots)
-        for h in range(num_heads):
-            for r in range(num_rows):
-                got = pages[r, h, : len(ref_pages[r][h])].cpu().tolist()
-                assert got == ref_pages[r][h], (r, h, got, ref_pages[r][h])
+        # natural order, and a random order of the virtual sequences (pages and lens move, slots do not)
+        for dest in (None, torch.randperm(num_rows * num_heads, generator=gen).to(torch.int32)):
+            position = torch.arange(num_rows * num_heads) if dest is None else dest.long()
+            pages = torch.full((num_rows * num_heads, width + 4), -7, dtype=torch.int32, device=device)
+            lens = torch.full((num_rows * num_heads,), -7, dtype=torch.int32, device=device)
+            slots = torch.full((num_rows * query_len, num_heads), -7, dtype=torch.int64, device=device)
+            decode_tables(*(t.to(device) for t in inputs), query_len, PAGE, pages, lens, slots,
+                          None if dest is None else dest.to(device))
+            assert torch.equal(lens.cpu()[position], ref_lens.flatten()), (lens, ref_lens, dest)
+            assert torch.equal(slots.cpu(), ref_slots), (slots, ref_slots)
+            for h in range(num_heads):
+                for r in range(num_rows):
+                    got = pages[position[r * num_heads + h], : len(ref_pages[r][h])].cpu().tolist()
+                    assert got == ref_pages[r][h], (r, h, got, ref_pages[r][h], dest)
 
 
 def test_reference_rule_by_hand():

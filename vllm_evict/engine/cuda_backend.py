@@ -142,11 +142,15 @@ class EvictFlashAttentionImpl(EvictionAttentionMixin, FlashAttentionImpl):
             cache.write_pages(key[:n].reshape(n * H, D), value[:n].reshape(n * H, D), slots)
         num_splits = md.max_num_splits if split_kv else 1
         # q is a strided view of the fused QKV projection: one copy, into the staged queries (window capture,
-        # worker.py); the output is written in place.
+        # worker.py), then gathered into this layer's order (bytes: fp8 too); outputs scattered back.
         q = tables.queries[layer_idx, :n]
         q.view(n, -1).copy_(query[:n].reshape(n, -1))
-        self._per_head_attention(q.view(n * H, g, D), cache, tables.query_start[: n * H + 1], lens, pages,
-                                 1, md.max_seq_len, output[:n].view(n * H, g, D), num_splits=num_splits)
+        order = tables.order[layer_idx, : n * H]
+        ordered_q, ordered_out = tables.ordered_queries[: n * H], tables.ordered_output[: n * H]
+        torch.index_select(q.view(n * H, g, D).view(torch.uint8), 0, order, out=ordered_q.view(torch.uint8))
+        self._per_head_attention(ordered_q, cache, tables.query_start[: n * H + 1], lens, pages,
+                                 1, md.max_seq_len, ordered_out, num_splits=num_splits)
+        output[:n].view(n * H, g, D).index_copy_(0, order, ordered_out)
 
 
 def query_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -178,13 +182,14 @@ class EvictFlashAttentionMetadataBuilder(EvictionMetadataBuilderMixin, FlashAtte
                              vllm_config.compilation_config.max_cudagraph_capture_size),
                 num_heads=kv_cache_spec.num_kv_heads, max_pages=-(-model.max_model_len // page) + 1,
                 page_size=page, device=device, num_q_heads=model.get_num_attention_heads(vllm_config.parallel_config),
-                head_dim=kv_cache_spec.head_size, dtype=query_dtype(vllm_config.cache_config.cache_dtype, model.dtype))
+                head_dim=kv_cache_spec.head_size, dtype=query_dtype(vllm_config.cache_config.cache_dtype, model.dtype),
+                output_dtype=model.dtype)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
         md.per_head_decode = self.per_head_decode
         if self.per_head_decode is not None and md.eviction is not None:  # the step may replay a per-head graph
-            self.per_head_decode.load(md.eviction)
+            self.per_head_decode.load(md.eviction, md.seq_lens)
         return md
 
     def use_cascade_attention(self, *args, **kwargs) -> bool:

@@ -211,45 +211,63 @@ def split_kv(longest: int, total: int, num_sms: int) -> bool:
 
 class DecodeGraphTables:
     """Persistent per-head decode tables for FULL CUDA graphs (kernels/per_head_tables.py), for decode
-    steps of one token per row: virtual sequence (r, h) is query row r*H + h, so queries and outputs
-    need no reorder.
+    steps of one token per row: virtual sequence (r, h) reads query row r*H + h and writes that output row.
+
+    FlashAttention hands its sequences to the SMs in index order, so uneven heads late in that order set
+    the call's tail. Each layer's sequences are therefore given to it longest first (`order`): its pages
+    and lengths are written in that order, its queries gathered into it and its outputs scattered back
+    (unsplit per-head calls 15-23% faster at uneven heads, issue 31).
 
     Owned by the CUDA metadata builder (one per KV-cache group). Every buffer is allocated once, so a
     captured decode graph reads and writes the same addresses on every replay:
     - per-row inputs fresh [R] and counts / kept [L, R, H] (int32), zero for rows without per-head
       pages, written by `load` row by row where the per-head rows changed (new requests or layouts, rows moved);
+    - per-layer order [L, R*H] (order[l, i]: the virtual sequence at position i) and its inverse `position`,
+      recomputed by `load` when the per-head rows or the number of rows change, from the lengths then
+      (rows grow alike from step to step); rows past the batch keep their own positions, so the first
+      n*H entries permute 0 .. n*H - 1 for every graph size n of the batch;
     - per-layer outputs (pages, lens, token slots), recomputed on device inside the graph by one kernel
       per layer from vLLM's block table and (worker-shifted) seq_lens;
     - every layer's queries [L, R, Hq, D] (`queries`): the attention call copies its strided query there,
       the contiguous copy FlashAttention needs anyway, so the worker can record window queries after a
-      graph replay (worker.WindowStore.capture_all).
+      graph replay (worker.WindowStore.capture_all); `ordered_queries` / `ordered_output` [R*H, g, D] are
+      the call's own.
     """
 
     def __init__(self, num_layers: int, max_rows: int, num_heads: int, max_pages: int, page_size: int,
-                 device: torch.device, num_q_heads: int, head_dim: int, dtype: torch.dtype):
+                 device: torch.device, num_q_heads: int, head_dim: int, dtype: torch.dtype,
+                 output_dtype: torch.dtype):
         self.num_heads, self.max_pages, self.page_size = num_heads, max_pages, page_size
         self.queries = torch.empty(num_layers, max_rows, num_q_heads, head_dim, dtype=dtype, device=device)
+        group = num_q_heads // num_heads
+        self.ordered_queries = torch.empty(max_rows * num_heads, group, head_dim, dtype=dtype, device=device)
+        self.ordered_output = torch.empty(max_rows * num_heads, group, head_dim, dtype=output_dtype, device=device)
         zeros = dict(dtype=torch.int32, device=device)
         self.fresh = torch.zeros(max_rows, **zeros)
         self.counts = torch.zeros(num_layers, max_rows, num_heads, **zeros)
         self.kept = torch.zeros(num_layers, max_rows, num_heads, **zeros)
+        sequences = torch.arange(max_rows * num_heads, device=device)
+        self.order = sequences.repeat(num_layers, 1)                   # [L, R*H] int64
+        self.position = self.order.to(torch.int32)                     # [L, R*H] its inverse
         self.pages = torch.zeros(max_rows * num_heads * max_pages, **zeros)
-        self.lens = torch.zeros(max_rows, num_heads, **zeros)
+        self.lens = torch.zeros(max_rows * num_heads, **zeros)
         self.slots = torch.zeros(max_rows, num_heads, dtype=torch.int64, device=device)
         self.query_start = torch.arange(max_rows * num_heads + 1, **zeros)
         self.loaded: dict[int, int] = {}    # row -> layout serial of the per-head rows in the buffers
+        self.ordered_rows = 0               # the number of rows `order` was computed for
         self.layer(0, torch.zeros(1, 1, **zeros), torch.zeros(1, **zeros))  # compile before graph capture
 
     @property
     def max_rows(self) -> int:
         return self.fresh.shape[0]
 
-    def load(self, plan) -> None:
+    def load(self, plan, seq_lens: torch.Tensor) -> None:
         """Per-row inputs of the step's per-head rows (none: every row in stock layout). Only rows whose
         request or layout changed are written (steady decode: none; a decode point: its requests), and rows
-        that left the per-head layout are zeroed."""
+        that left the per-head layout are zeroed. Then the order, if those rows or the number of rows
+        changed, from the (worker-shifted) seq_lens."""
         rows = {r: plan.states[r].serial for r in plan.per_head_rows}
-        if rows == self.loaded or plan.num_reqs > self.max_rows:
+        if plan.num_reqs > self.max_rows or (rows == self.loaded and plan.num_reqs == self.ordered_rows):
             return
         device = self.fresh.device
         stale = [r for r, serial in self.loaded.items() if rows.get(r) != serial]
@@ -268,14 +286,31 @@ class DecodeGraphTables:
             self.counts[:num_layers].index_copy_(1, where, torch.stack([c for c, _ in parts], 1).to(torch.int32))
             self.kept[:num_layers].index_copy_(1, where, torch.stack([k for _, k in parts], 1).to(torch.int32))
         self.loaded = rows
+        self._order(plan.num_reqs, seq_lens)
+
+    def _order(self, num_rows: int, seq_lens: torch.Tensor) -> None:
+        """Each layer's virtual sequences longest first (the kernel's lengths: seq_len - P*page + kept_h),
+        then the rows past the batch in their own order."""
+        num_layers, max_rows, heads = self.kept.shape
+        lens = torch.zeros(max_rows, dtype=torch.int64, device=self.fresh.device)
+        lens[:num_rows] = seq_lens[:num_rows]
+        lengths = lens.view(1, -1, 1) - (self.fresh.to(torch.int64) * self.page_size).view(1, -1, 1) + self.kept
+        key = lengths.view(num_layers, -1)
+        sequences = torch.arange(max_rows * heads, device=key.device)
+        key[:, num_rows * heads:] = -1 - sequences[num_rows * heads:]  # below every length, in their own order
+        self.order.copy_(torch.sort(key, dim=1, descending=True, stable=True).indices)
+        self.position.scatter_(1, self.order, sequences.to(torch.int32).expand(num_layers, -1))
+        self.ordered_rows = num_rows
 
     def layer(self, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor):
-        """(pages [R*H, max_pages], lens [R*H], slots [R*H]) of one layer for the R rows of seq_lens."""
+        """(pages [R*H, max_pages], lens [R*H] in this layer's order; slots [R*H] by (row, head)) of one layer
+        for the R rows of seq_lens."""
         from vllm_evict.kernels.per_head_tables import decode_tables
 
         num_rows, heads = seq_lens.shape[0], self.num_heads
-        pages = self.pages[: num_rows * heads * self.max_pages].view(num_rows, heads, self.max_pages)
-        lens, slots = self.lens[:num_rows], self.slots[:num_rows]
+        pages = self.pages[: num_rows * heads * self.max_pages].view(num_rows * heads, self.max_pages)
+        lens, slots = self.lens[: num_rows * heads], self.slots[:num_rows]
         decode_tables(block_table, seq_lens, self.fresh[:num_rows], self.counts[layer, :num_rows],
-                      self.kept[layer, :num_rows], 1, self.page_size, pages, lens, slots)
-        return pages.view(num_rows * heads, self.max_pages), lens.view(-1), slots.view(-1)
+                      self.kept[layer, :num_rows], 1, self.page_size, pages, lens, slots,
+                      self.position[layer, : num_rows * heads])
+        return pages, lens, slots.view(-1)
