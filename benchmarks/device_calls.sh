@@ -53,6 +53,9 @@ declare -A PROFILES=(
   # issue 31, session 18: the unsplit call with the virtual sequences as they come against longest first (~30 s)
   [profile-order18]="--attention-splits --split-shapes 64:1640 86:820 86:1800 120:1000 --spreads 0.5 1 1.5 2
                      --num-splits 1 --orders natural longest"
+  # issue 31, session 19: the same with the engine's own call (ordered_decode_attention), split and unsplit (~40 s)
+  [profile-order19]="--attention-splits --split-shapes 64:1640 86:820 86:1800 --spreads 0 1 2
+                     --num-splits 1 32 --orders natural longest engine"
 )
 raw=/tmp/device-calls-raw
 rm -rf "$raw" && mkdir -p "$raw"

@@ -89,11 +89,13 @@ def attention_splits(shapes: list[tuple[int, int]], spreads: list[float], splits
     sequence), per (batch, kv_len) shape and spread: each request's 8 heads share 8*kv_len tokens in
     proportions softmax(spread * N(0, 1)) (spread 0: every head at kv_len), per num_splits (0: FA's
     heuristic; k: dynamic splits of at most k, what the split per-head graphs pass), per order of the
-    sequences (natural: as generated; longest: longest first). Each row also gives
+    sequences (natural: as generated; longest: longest first; engine: longest first through the per-head
+    graphs' own call, cuda_backend.ordered_decode_attention, queries in place). Each row also gives
     rho = longest head * SMs / total tokens and per_head.split_kv's choice for it."""
     from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
 
+    from vllm_evict.engine.cuda_backend import CudaPagedCache, ordered_decode_attention
     from vllm_evict.engine.per_head import split_kv
 
     H, G, D, N = 8, 4, 128, 16
@@ -111,6 +113,9 @@ def attention_splits(shapes: list[tuple[int, int]], spreads: list[float], splits
         kv = torch.randn(pages_needed // H + 2, H, N, 2 * D, device=dev, dtype=dt)
         paged = kv.view(-1, 1, N, 2 * D).transpose(1, 2)
         kp, vp = (canonicalize_singleton_dim_strides(x) for x in paged.split(D, dim=-1))
+        one = torch.ones((), device=dev)
+        cache = CudaPagedCache(kv, D, "auto", one, one)
+        query_counts = torch.ones(batch * H, device=dev, dtype=torch.int32)
         q = torch.randn(batch * H, G, D, device=dev, dtype=dt)
         out = torch.empty_like(q)
         cu = torch.arange(batch * H + 1, device=dev, dtype=torch.int32)
@@ -125,10 +130,15 @@ def attention_splits(shapes: list[tuple[int, int]], spreads: list[float], splits
             longest, total = int(lens.max()), int(lens.sum())
             for order in orders:
                 # FA3 hands out the virtual sequences in index order: "longest" lists them longest first
-                perm = torch.argsort(lens, descending=True) if order == "longest" else torch.arange(lens.numel())
+                perm = torch.arange(lens.numel()) if order == "natural" else torch.argsort(lens, descending=True)
                 ordered_table, seqused = table[perm].to(dev), lens[perm].to(dev)
+                query_rows = torch.cat([perm, perm[:1]]).to(device=dev, dtype=torch.int32)
                 for splits in splits_list:
                     def call():
+                        if order == "engine":
+                            ordered_decode_attention(q, cache, query_rows, query_counts, seqused, ordered_table,
+                                                     longest, out, D ** -0.5, 0.0, num_splits=splits)
+                            return
                         flash_attn_varlen_func(q=q, k=kp, v=vp, out=out, cu_seqlens_q=cu, max_seqlen_q=1,
                                                seqused_k=seqused, max_seqlen_k=longest, softmax_scale=D ** -0.5,
                                                causal=True, block_table=ordered_table, fa_version=version,
@@ -382,7 +392,7 @@ def main():
                     "(default --batch:--kv-len)")
     ap.add_argument("--spreads", type=float, nargs="+", default=[0.0, 1.5], help="--attention-splits: head spreads")
     ap.add_argument("--num-splits", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16, 32])
-    ap.add_argument("--orders", nargs="+", choices=["natural", "longest"], default=["natural"],
+    ap.add_argument("--orders", nargs="+", choices=["natural", "longest", "engine"], default=["natural"],
                     help="--attention-splits: orders of the virtual sequences")
     args = ap.parse_args()
     out_dir = Path(args.out_dir)

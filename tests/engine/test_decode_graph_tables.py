@@ -1,8 +1,11 @@
 """per_head.DecodeGraphTables, the per-head FULL decode graphs' tables: a mixed batch (two Ada-KV rows, a
 stock row, rows past the batch) loaded and laid out per layer, against kernels/per_head_tables.py's
 reference. Each layer's order lists the virtual sequences longest first, its first n*H entries permute
-0 .. n*H - 1 for every graph size n >= the batch, and the layer's pages and lengths sit at those positions
-while the token slots stay by (row, head). CPU (CI): in the Triton interpreter (subprocess). GPU: compiled."""
+0 .. n*H - 1 for every graph size n >= the batch, position is its inverse, and the layer's pages and
+lengths sit at those positions while the token slots stay by (row, head). CPU (CI): in the Triton
+interpreter (subprocess). GPU: compiled; and cuda_backend.ordered_decode_attention (FlashAttention 3 reading
+sequences in that order, queries and outputs in place) against stock FlashAttention in natural order and
+explicit attention, split and unsplit, bf16 and fp8 caches."""
 
 from __future__ import annotations
 
@@ -22,8 +25,7 @@ def check(device: str, seed: int) -> None:
 
     gen = torch.Generator().manual_seed(seed)
     tables = DecodeGraphTables(num_layers=L, max_rows=MAX_ROWS, num_heads=H, max_pages=WIDTH * H, page_size=N,
-                               device=torch.device(device), num_q_heads=2 * H, head_dim=8, dtype=torch.float32,
-                               output_dtype=torch.float32)
+                               device=torch.device(device), num_q_heads=2 * H, head_dim=8, dtype=torch.float32)
     first, third = compacted_state(gen, 20, 2), compacted_state(gen, 13, 3)
     plan = StepPlan(num_reqs=3, states=[first, None, third], captures=[], compacting=[], compacted_rows=[0, 2],
                     per_head_rows=[0, 2], per_head_tokens=[0, 2], page_size=N)
@@ -32,9 +34,10 @@ def check(device: str, seed: int) -> None:
     block_table = torch.randperm(3 * WIDTH * 2, generator=gen)[: 3 * WIDTH].view(3, WIDTH).to(torch.int32)
     tables.load(plan, seq_lens.to(device))
     for layer in range(L):
-        order = tables.order[layer].cpu()
+        order, position = tables.order[layer].cpu(), tables.position[layer].cpu()
         for n in range(3, MAX_ROWS + 1):
             assert sorted(order[: n * H].tolist()) == list(range(n * H)), (layer, n, order)
+        assert torch.equal(position[order[:-1].long()], torch.arange(MAX_ROWS * H, dtype=torch.int32))
         pages, lens, slots = tables.layer(layer, block_table.to(device), seq_lens.to(device))
         ref_pages, ref_lens, ref_slots = decode_tables_reference(
             block_table, seq_lens, tables.fresh[:3].cpu(), tables.counts[layer, :3].cpu(),
@@ -64,3 +67,57 @@ def test_in_triton_interpreter():
 def test_on_gpu():
     for seed in range(5):
         check("cuda", seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
+def test_ordered_decode_attention_on_gpu(cache_dtype):
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
+
+    from vllm_evict.engine.cuda_backend import CudaPagedCache, descales, ordered_decode_attention
+
+    if get_flash_attn_version() != 3:
+        pytest.skip("FlashAttention 3 (Hopper)")
+    rows, heads, group, dim, page = 37, 8, 4, 128, 16
+    sequences = rows * heads
+    dev, dt, fp8 = "cuda", torch.bfloat16, cache_dtype == "fp8"
+    gen = torch.Generator().manual_seed(0)
+    lens = (torch.rand(sequences, generator=gen) ** 3 * 3000).to(torch.int32) + 1   # uneven, 1 .. 3000
+    counts = (lens + page - 1) // page
+    kv = torch.randn(int(counts.sum()) // heads + 2, heads, page, 2 * dim, dtype=dt, generator=gen).to(dev)
+    q = torch.randn(sequences, group, dim, dtype=dt, generator=gen).to(dev)
+    kv_scale, q_scale = torch.tensor(0.05, device=dev), torch.tensor(0.02, device=dev)
+    if fp8:  # stored as vLLM stores an fp8 cache (bytes), queries quantized as vLLM's attention layer does
+        kv = (kv / kv_scale).to(current_platform.fp8_dtype()).view(torch.uint8)
+        q = (q / q_scale).to(current_platform.fp8_dtype())
+    else:
+        kv_scale = q_scale = torch.ones((), device=dev)
+    cache = CudaPagedCache(kv, dim, cache_dtype, kv_scale, kv_scale, q_scale, model_dtype=dt)
+    page_ids = torch.randperm(kv.shape[0] * heads, generator=gen)
+    table = torch.zeros(sequences, int(counts.max()), dtype=torch.int32)
+    start = 0
+    for i, c in enumerate(counts.tolist()):
+        table[i, :c] = page_ids[start: start + c]
+        start += c
+    natural = torch.empty(q.shape, dtype=dt, device=dev)
+    flash_attn_varlen_func(q=q, k=cache.attn_key_pages, v=cache.attn_value_pages, out=natural,
+                           cu_seqlens_q=torch.arange(sequences + 1, dtype=torch.int32, device=dev), max_seqlen_q=1,
+                           seqused_k=lens.to(dev), max_seqlen_k=int(lens.max()), softmax_scale=dim ** -0.5,
+                           causal=True, block_table=table.to(dev), fa_version=3, num_splits=1,
+                           **descales(cache, q, sequences))
+    keys, values = cache.attn_key_pages.float() * kv_scale, cache.attn_value_pages.float() * kv_scale
+    for i in torch.randint(0, sequences, (12,), generator=gen).tolist():  # explicit attention on some sequences
+        ids = table[i, : int(counts[i])].long().to(dev)
+        k, v = keys[ids].reshape(-1, dim)[: int(lens[i])], values[ids].reshape(-1, dim)[: int(lens[i])]
+        expected = ((q[i].float() * q_scale @ k.T) * dim ** -0.5).softmax(-1) @ v
+        torch.testing.assert_close(natural[i].float(), expected, rtol=3e-2, atol=3e-2)
+    order = torch.sort(lens, descending=True, stable=True).indices
+    for num_splits in (1, 32):
+        out = torch.full(q.shape, float("nan"), dtype=dt, device=dev)
+        query_rows = torch.cat([order, order[:1]]).to(torch.int32).to(dev)
+        ordered_decode_attention(q, cache, query_rows, torch.ones(sequences, dtype=torch.int32, device=dev),
+                                 lens[order].to(dev), table[order].to(dev), int(lens.max()), out, dim ** -0.5, 0.0,
+                                 num_splits=num_splits)
+        torch.testing.assert_close(out, natural, rtol=1e-2, atol=1e-2)

@@ -117,18 +117,12 @@ class EvictFlashAttentionImpl(EvictionAttentionMixin, FlashAttentionImpl):
     def _stock_attention(self, layer, query, key, value, kv_cache, md, output) -> None:
         FlashAttentionImpl.forward(self, layer, query, key, value, kv_cache, md, output)
 
-    def _per_head_attention(self, q, cache, qsl, seq_lens, block_table, max_query_len, max_seq_len, out,
-                            num_splits=0):
-        descales = {}
-        if cache.quantized:  # the layer's scales, one per virtual sequence (a single KV head each)
-            shape = (seq_lens.shape[0], 1)
-            descales = dict(q_descale=cache.q_scale.expand(shape) if q.dtype == current_platform.fp8_dtype() else None,
-                            k_descale=cache.k_scale.expand(shape), v_descale=cache.v_scale.expand(shape))
+    def _per_head_attention(self, q, cache, qsl, seq_lens, block_table, max_query_len, max_seq_len, out):
         flash_attn_varlen_func(
             q=q, k=cache.attn_key_pages, v=cache.attn_value_pages, out=out, cu_seqlens_q=qsl,
             max_seqlen_q=max_query_len, seqused_k=seq_lens, max_seqlen_k=max_seq_len, softmax_scale=self.scale,
             causal=True, alibi_slopes=None, window_size=None, block_table=block_table, softcap=self.logits_soft_cap,
-            scheduler_metadata=None, fa_version=self.vllm_flash_attn_version, num_splits=num_splits, **descales)
+            scheduler_metadata=None, fa_version=self.vllm_flash_attn_version, **descales(cache, q, seq_lens.shape[0]))
 
     def _per_head_graph_forward(self, layer_idx, query, key, value, cache, md, output, split_kv) -> None:
         """Decode step (one token per row) as per-head virtual sequences, captured in and replayed from a
@@ -140,17 +134,47 @@ class EvictFlashAttentionImpl(EvictionAttentionMixin, FlashAttentionImpl):
         pages, lens, slots = tables.layer(layer_idx, md.block_table, md.seq_lens)
         if self.kv_sharing_target_layer_name is None:
             cache.write_pages(key[:n].reshape(n * H, D), value[:n].reshape(n * H, D), slots)
-        num_splits = md.max_num_splits if split_kv else 1
         # q is a strided view of the fused QKV projection: one copy, into the staged queries (window capture,
-        # worker.py), then gathered into this layer's order (bytes: fp8 too); outputs scattered back.
+        # worker.py); the output is written in place, each sequence at its row.
         q = tables.queries[layer_idx, :n]
         q.view(n, -1).copy_(query[:n].reshape(n, -1))
-        order = tables.order[layer_idx, : n * H]
-        ordered_q, ordered_out = tables.ordered_queries[: n * H], tables.ordered_output[: n * H]
-        torch.index_select(q.view(n * H, g, D).view(torch.uint8), 0, order, out=ordered_q.view(torch.uint8))
-        self._per_head_attention(ordered_q, cache, tables.query_start[: n * H + 1], lens, pages,
-                                 1, md.max_seq_len, ordered_out, num_splits=num_splits)
-        output[:n].view(n * H, g, D).index_copy_(0, order, ordered_out)
+        ordered_decode_attention(q.view(n * H, g, D), cache, tables.order[layer_idx, : n * H + 1],
+                                 tables.query_counts[: n * H], lens, pages, md.max_seq_len,
+                                 output[:n].view(n * H, g, D), self.scale, self.logits_soft_cap,
+                                 num_splits=md.max_num_splits if split_kv else 1)
+
+
+def descales(cache: CudaPagedCache, q: torch.Tensor, num_sequences: int) -> dict:
+    """FlashAttention's descales for an fp8 cache: the layer's scales, one per virtual sequence (a single KV
+    head each); the query's only where it arrives quantized."""
+    if not cache.quantized:
+        return {}
+    shape = (num_sequences, 1)
+    return dict(q_descale=cache.q_scale.expand(shape) if q.dtype == current_platform.fp8_dtype() else None,
+                k_descale=cache.k_scale.expand(shape), v_descale=cache.v_scale.expand(shape))
+
+
+def ordered_decode_attention(q: torch.Tensor, cache: CudaPagedCache, query_rows: torch.Tensor,
+                             query_counts: torch.Tensor, lens: torch.Tensor, pages: torch.Tensor, max_seq_len: int,
+                             out: torch.Tensor, scale: float, softcap: float, num_splits: int) -> None:
+    """FlashAttention 3 over S one-query virtual sequences in any order. Sequence i: the query row
+    query_rows[i] of q [Q, g, D] (its output goes to that row of out [Q, g, D]), lens[i] tokens on
+    pages[i] (page ids of the per-head cache view).
+
+    query_rows [S + 1] int32 (the last entry only pads the shape) is FA's cu_seqlens_q and query_counts [S]
+    int32, all ones, its seqused_q: with seqused_q FA3 reads each sequence's offset alone, so the offsets
+    need not grow. vllm_flash_attn's wrapper passes no seqused_q, so this calls the FA3 op itself (its
+    schema's argument names)."""
+    scales = descales(cache, q, lens.shape[0])
+    torch.ops._vllm_fa3_C.fwd(
+        q=q, k=cache.attn_key_pages, v=cache.attn_value_pages, k_new=None, v_new=None, q_v=None, out=out,
+        cu_seqlens_q=query_rows, cu_seqlens_k=None, cu_seqlens_k_new=None, seqused_q=query_counts,
+        seqused_k=lens, max_seqlen_q=1, max_seqlen_k=max_seq_len, page_table=pages, kv_batch_idx=None,
+        leftpad_k=None, rotary_cos=None, rotary_sin=None, seqlens_rotary=None,
+        q_descale=scales.get("q_descale"), k_descale=scales.get("k_descale"), v_descale=scales.get("v_descale"),
+        softmax_scale=scale, is_causal=True, window_size_left=-1, window_size_right=-1, softcap=softcap,
+        is_rotary_interleaved=True, scheduler_metadata=None, num_splits=num_splits, pack_gqa=None, sm_margin=0,
+        s_aux=None, cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None)
 
 
 def query_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -182,8 +206,7 @@ class EvictFlashAttentionMetadataBuilder(EvictionMetadataBuilderMixin, FlashAtte
                              vllm_config.compilation_config.max_cudagraph_capture_size),
                 num_heads=kv_cache_spec.num_kv_heads, max_pages=-(-model.max_model_len // page) + 1,
                 page_size=page, device=device, num_q_heads=model.get_num_attention_heads(vllm_config.parallel_config),
-                head_dim=kv_cache_spec.head_size, dtype=query_dtype(vllm_config.cache_config.cache_dtype, model.dtype),
-                output_dtype=model.dtype)
+                head_dim=kv_cache_spec.head_size, dtype=query_dtype(vllm_config.cache_config.cache_dtype, model.dtype))
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)

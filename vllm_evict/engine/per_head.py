@@ -214,45 +214,41 @@ class DecodeGraphTables:
     steps of one token per row: virtual sequence (r, h) reads query row r*H + h and writes that output row.
 
     FlashAttention hands its sequences to the SMs in index order, so uneven heads late in that order set
-    the call's tail. Each layer's sequences are therefore given to it longest first (`order`): its pages
-    and lengths are written in that order, its queries gathered into it and its outputs scattered back
-    (unsplit per-head calls 15-23% faster at uneven heads, issue 31).
+    the call's tail. Each layer's sequences are therefore given to it longest first: its pages and lengths
+    are written in that order and FlashAttention 3 finds each sequence's query (and output) row through
+    `order` as cu_seqlens_q with one query each (seqused_q), so queries and outputs stay in place
+    (cuda_backend.ordered_decode_attention; unsplit per-head calls 6-23% faster at uneven heads, issue 31).
 
     Owned by the CUDA metadata builder (one per KV-cache group). Every buffer is allocated once, so a
     captured decode graph reads and writes the same addresses on every replay:
     - per-row inputs fresh [R] and counts / kept [L, R, H] (int32), zero for rows without per-head
       pages, written by `load` row by row where the per-head rows changed (new requests or layouts, rows moved);
-    - per-layer order [L, R*H] (order[l, i]: the virtual sequence at position i) and its inverse `position`,
-      recomputed by `load` when the per-head rows or the number of rows change, from the lengths then
-      (rows grow alike from step to step); rows past the batch keep their own positions, so the first
-      n*H entries permute 0 .. n*H - 1 for every graph size n of the batch;
+    - per-layer order [L, R*H + 1] (order[l, i]: the virtual sequence at position i; the last entry pads
+      cu_seqlens_q's shape) and its inverse position [L, R*H] (int32), recomputed by `load` when the per-head
+      rows or the number of rows change, from the lengths then (rows grow alike from step to step); rows
+      past the batch keep their own positions, so the first n*H entries permute 0 .. n*H - 1 for every
+      graph size n of the batch;
     - per-layer outputs (pages, lens, token slots), recomputed on device inside the graph by one kernel
       per layer from vLLM's block table and (worker-shifted) seq_lens;
     - every layer's queries [L, R, Hq, D] (`queries`): the attention call copies its strided query there,
       the contiguous copy FlashAttention needs anyway, so the worker can record window queries after a
-      graph replay (worker.WindowStore.capture_all); `ordered_queries` / `ordered_output` [R*H, g, D] are
-      the call's own.
+      graph replay (worker.WindowStore.capture_all).
     """
 
     def __init__(self, num_layers: int, max_rows: int, num_heads: int, max_pages: int, page_size: int,
-                 device: torch.device, num_q_heads: int, head_dim: int, dtype: torch.dtype,
-                 output_dtype: torch.dtype):
+                 device: torch.device, num_q_heads: int, head_dim: int, dtype: torch.dtype):
         self.num_heads, self.max_pages, self.page_size = num_heads, max_pages, page_size
         self.queries = torch.empty(num_layers, max_rows, num_q_heads, head_dim, dtype=dtype, device=device)
-        group = num_q_heads // num_heads
-        self.ordered_queries = torch.empty(max_rows * num_heads, group, head_dim, dtype=dtype, device=device)
-        self.ordered_output = torch.empty(max_rows * num_heads, group, head_dim, dtype=output_dtype, device=device)
         zeros = dict(dtype=torch.int32, device=device)
         self.fresh = torch.zeros(max_rows, **zeros)
         self.counts = torch.zeros(num_layers, max_rows, num_heads, **zeros)
         self.kept = torch.zeros(num_layers, max_rows, num_heads, **zeros)
-        sequences = torch.arange(max_rows * num_heads, device=device)
-        self.order = sequences.repeat(num_layers, 1)                   # [L, R*H] int64
-        self.position = self.order.to(torch.int32)                     # [L, R*H] its inverse
+        self.order = torch.arange(max_rows * num_heads + 1, **zeros).repeat(num_layers, 1)
+        self.position = self.order[:, :-1].clone()
+        self.query_counts = torch.ones(max_rows * num_heads, **zeros)     # seqused_q: one query per sequence
         self.pages = torch.zeros(max_rows * num_heads * max_pages, **zeros)
         self.lens = torch.zeros(max_rows * num_heads, **zeros)
         self.slots = torch.zeros(max_rows, num_heads, dtype=torch.int64, device=device)
-        self.query_start = torch.arange(max_rows * num_heads + 1, **zeros)
         self.loaded: dict[int, int] = {}    # row -> layout serial of the per-head rows in the buffers
         self.ordered_rows = 0               # the number of rows `order` was computed for
         self.layer(0, torch.zeros(1, 1, **zeros), torch.zeros(1, **zeros))  # compile before graph capture
@@ -298,8 +294,9 @@ class DecodeGraphTables:
         key = lengths.view(num_layers, -1)
         sequences = torch.arange(max_rows * heads, device=key.device)
         key[:, num_rows * heads:] = -1 - sequences[num_rows * heads:]  # below every length, in their own order
-        self.order.copy_(torch.sort(key, dim=1, descending=True, stable=True).indices)
-        self.position.scatter_(1, self.order, sequences.to(torch.int32).expand(num_layers, -1))
+        order = torch.sort(key, dim=1, descending=True, stable=True).indices
+        self.order[:, :-1].copy_(order)
+        self.position.scatter_(1, order, sequences.to(torch.int32).expand(num_layers, -1))
         self.ordered_rows = num_rows
 
     def layer(self, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor):
