@@ -112,7 +112,8 @@ def test_ordered_decode_attention_on_gpu(cache_dtype):
         ids = table[i, : int(counts[i])].long().to(dev)
         k, v = keys[ids].reshape(-1, dim)[: int(lens[i])], values[ids].reshape(-1, dim)[: int(lens[i])]
         expected = ((q[i].float() * q_scale @ k.T) * dim ** -0.5).softmax(-1) @ v
-        torch.testing.assert_close(natural[i].float(), expected, rtol=3e-2, atol=3e-2)
+        tolerance = 6e-2 if fp8 else 2e-2  # FA3's fp8 path rounds the probabilities to fp8 too
+        torch.testing.assert_close(natural[i].float(), expected, rtol=tolerance, atol=tolerance)
     order = torch.sort(lens, descending=True, stable=True).indices
     for num_splits in (1, 32):
         out = torch.full(q.shape, float("nan"), dtype=dt, device=dev)
