@@ -13,7 +13,7 @@
 # then calls such as
 #     [carry=[".quality-gpu/partK"]  STAGE_GGUF=.quality-gpu/partK]  bash benchmarks/device_calls.sh PLAN...
 #
-# usage: [STAGE_GGUF=.quality-gpu/partK] [RUN_TESTS=1 [GPU_TESTS="..."]] [BUDGET_S=575] \
+# usage: [COMMIT=sha] [STAGE_GGUF=.quality-gpu/partK] [RUN_TESTS=1 [GPU_TESTS="..."]] [BUDGET_S=575] \
 #          bash benchmarks/device_calls.sh PLAN...
 # PLAN: a serving.py plan; fp8-needle (quality_gpu.sh); or profile-NAME, a profile_engine.py run (PROFILES below).
 # Every plan runs under `timeout` so that the call ends inside the device's 600 s and its files come back
@@ -59,7 +59,9 @@ declare -A PROFILES=(
 )
 raw=/tmp/device-calls-raw
 rm -rf "$raw" && mkdir -p "$raw"
-{ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv; echo "commit: $(git log -1 --format=%H 2>/dev/null)"
+# The device copy's git metadata can be older than the tree it ships: the caller names the commit (COMMIT=...).
+{ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv
+  echo "commit: ${COMMIT:-not given; the git log of the device copy says $(git log -1 --format=%h 2>/dev/null)}"
   echo "plans: $*"; } > "$OUT/info.txt"
 cat "$OUT/info.txt"
 if [ "${RUN_TESTS:-0}" = 1 ]; then  # as device_issue13.sh: from /tmp, the installed-layout mirror first

@@ -83,7 +83,7 @@ def test_session18_plans(serving):
     assert "16384:512:64" in plans["adakv31"][0][2]
     script = (ROOT / "benchmarks" / "device_calls.sh").read_text()
     documented = (ROOT / "docs" / "BENCHMARKS.md").read_text()
-    for name in ("adakv31", "adakv31s", "profile-splits18", "profile-adakv31", "profile-order18"):
+    for name in ("adakv31", "adakv31s", "profile-splits18", "profile-adakv31", "profile-order18", "profile-order19"):
         assert f"device_calls.sh {name}" in documented, name
         assert name in script or name in plans, name
 
