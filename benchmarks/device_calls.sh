@@ -56,6 +56,9 @@ declare -A PROFILES=(
   # issue 31, session 19: the same with the engine's own call (ordered_decode_attention), split and unsplit (~40 s)
   [profile-order19]="--attention-splits --split-shapes 64:1640 86:820 86:1800 --spreads 0 1 2
                      --num-splits 1 32 --orders natural longest engine"
+  # issue 31, session 19: profile-splits18 again through the engine's ordered call (the split rule's refit; ~60 s)
+  [profile-splits19]="--attention-splits --split-shapes 16:1640 32:1640 48:2048 64:1640 86:820 86:1800 120:1000
+                      --spreads 0 0.5 1 1.5 2 2.5 --num-splits 1 32 --orders engine"
 )
 raw=/tmp/device-calls-raw
 rm -rf "$raw" && mkdir -p "$raw"
