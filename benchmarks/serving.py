@@ -683,6 +683,7 @@ PREFILL14_ARGS = ["--prefill-shapes", "8192:64", "16384:64", "32768:32", "--ttft
 E2E_SHAPES = ["--shapes", "32768:256:8", "16384:512:16", "8192:2048:32", "--max-model-len", "33280"]
 ADAKV31_SHAPES = ["--shapes", "8192:2048:86", "16384:512:64", "--max-model-len", "16896"]
 TP16_E2E = ["--tensor-parallel-size", "2", "--shapes", "32768:256:48", "16384:512:96", "--max-model-len", "33280"]
+TP19_E2E = ["--tensor-parallel-size", "2", "--shapes", "16384:512:96", "--max-model-len", "16896"]
 DECODE34_ARGS = ["--prompt-len", "1024", "--max-tokens", "2048", "--num-requests", "64",
                  "--kv-cache-memory-bytes", str(8 << 30), "--max-model-len", "4096"]
 REASONING34_ARGS = ["--prompt-len", "1024", "--max-tokens", "4096", "--num-requests", "256", "--max-model-len", "5376"]
@@ -777,6 +778,9 @@ PLANS = {
                340)],
     "tp16b": [("vanilla", "e2e", TP16_E2E, 300), ("evict", "e2e", TP16_E2E, 240)],
     "tp16c": [("vanilla", "e2e", TP16_E2E, 300), ("evict", "e2e", TP16_E2E + ["--allocation", "adakv"], 240)],
+    # session 19, the first TP=2 run on GPUs (nvidia-h100-x2 / h200-x2; FULL graphs, async scheduling, Ada-KV's
+    # all-gather over NCCL): one shape, vanilla with its limit, DropKV 10% uniform and Ada-KV on one engine
+    "tp19": [("vanilla", "e2e", TP19_E2E, 250), ("evict", "e2e", TP19_E2E + ["--allocation", "uniform,adakv"], 290)],
     "e2e13": [("vanilla", "e2e", E2E_SHAPES, 300), ("evict", "e2e", E2E_SHAPES, 220)],
     # issue 31, session 18: its two shapes end to end (vanilla with the physical limit), DropKV 10% uniform
     # against Ada-KV on one engine
