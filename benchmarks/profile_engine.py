@@ -92,7 +92,6 @@ def attention_splits(shapes: list[tuple[int, int]], spreads: list[float], splits
     sequences (natural: as generated; longest: longest first; engine: longest first through the per-head
     graphs' own call, cuda_backend.ordered_decode_attention, queries in place). Each row also gives
     rho = longest head * SMs / total tokens and per_head.split_kv's choice for it."""
-    from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
 
     from vllm_evict.engine.cuda_backend import CudaPagedCache, ordered_decode_attention
@@ -111,10 +110,8 @@ def attention_splits(shapes: list[tuple[int, int]], spreads: list[float], splits
             layouts[spread] = (shares * H * kv_len).round().clamp(min=N).to(torch.int32).flatten()
         pages_needed = max(int(((lens + N - 1) // N).sum()) for lens in layouts.values())
         kv = torch.randn(pages_needed // H + 2, H, N, 2 * D, device=dev, dtype=dt)
-        paged = kv.view(-1, 1, N, 2 * D).transpose(1, 2)
-        kp, vp = (canonicalize_singleton_dim_strides(x) for x in paged.split(D, dim=-1))
         one = torch.ones((), device=dev)
-        cache = CudaPagedCache(kv, D, "auto", one, one)
+        cache = CudaPagedCache(kv, D, "auto", one, one)     # the engine's per-head view of the cache
         query_counts = torch.ones(batch * H, device=dev, dtype=torch.int32)
         q = torch.randn(batch * H, G, D, device=dev, dtype=dt)
         out = torch.empty_like(q)
@@ -139,7 +136,8 @@ def attention_splits(shapes: list[tuple[int, int]], spreads: list[float], splits
                             ordered_decode_attention(q, cache, query_rows, query_counts, seqused, ordered_table,
                                                      longest, out, D ** -0.5, 0.0, num_splits=splits)
                             return
-                        flash_attn_varlen_func(q=q, k=kp, v=vp, out=out, cu_seqlens_q=cu, max_seqlen_q=1,
+                        flash_attn_varlen_func(q=q, k=cache.key_pages, v=cache.value_pages, out=out,
+                                               cu_seqlens_q=cu, max_seqlen_q=1,
                                                seqused_k=seqused, max_seqlen_k=longest, softmax_scale=D ** -0.5,
                                                causal=True, block_table=ordered_table, fa_version=version,
                                                num_splits=splits)

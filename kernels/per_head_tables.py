@@ -15,7 +15,7 @@ Inputs (R rows, H KV heads, W block-table columns, q tokens per row, page = toke
     counts      [R, H] int32   p_h (pages of head h, this layer); 0 where fresh is 0
     kept        [R, H] int32   kept prompt tokens of head h, this layer; 0 where fresh is 0
     dest        [R*H]  int32   the position of virtual sequence (r, h) in `pages` and `lens` (a permutation
-                               of 0..R*H-1: FlashAttention takes its sequences in that order), or None: r*H + h
+                               of 0..R*H-1: FlashAttention takes its sequences in that order)
 Outputs:
     pages [R*H, Wv]  int32     page ids (block * H + slot) at row dest[r*H + h]; columns past a sequence's
                                length untouched
@@ -46,12 +46,10 @@ def _page_ids(col, count_h, start_h, fresh, h):
 def _decode_tables_kernel(block_table, seq_lens, fresh, counts, kept, dest, pages, lens, slots,
                           num_rows, query_len, stride_bt, stride_pages,
                           NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
-                          BLOCK_C: tl.constexpr, BLOCK_Q: tl.constexpr, HAS_DEST: tl.constexpr):
+                          BLOCK_C: tl.constexpr, BLOCK_Q: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
-    position = r * NUM_HEADS + h
-    if HAS_DEST:
-        position = tl.load(dest + position)
+    position = tl.load(dest + r * NUM_HEADS + h)
     seq_len = tl.load(seq_lens + r)
     p = tl.load(fresh + r)
     heads = tl.arange(0, BLOCK_H)
@@ -83,22 +81,21 @@ def _decode_tables_kernel(block_table, seq_lens, fresh, counts, kept, dest, page
 
 def decode_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, fresh: torch.Tensor, counts: torch.Tensor,
                   kept: torch.Tensor, query_len: int, page_size: int, pages: torch.Tensor, lens: torch.Tensor,
-                  slots: torch.Tensor, dest: torch.Tensor | None = None) -> None:
+                  slots: torch.Tensor, dest: torch.Tensor) -> None:
     """Fill pages / lens / slots in place (shapes in the module docstring). One launch, no host sync."""
     num_rows, num_heads = counts.shape
     assert pages.shape[0] == num_rows * num_heads and pages.stride(-1) == 1 and lens.is_contiguous()
     assert lens.shape == (num_rows * num_heads,) and slots.shape == (num_rows * query_len, num_heads)
     assert block_table.stride(-1) == 1 and counts.is_contiguous() and kept.is_contiguous()
-    assert dest is None or (dest.shape == (num_rows * num_heads,) and dest.dtype == torch.int32)
+    assert dest.shape == (num_rows * num_heads,) and dest.dtype == torch.int32
     _decode_tables_kernel[(num_rows, num_heads)](
-        block_table, seq_lens, fresh, counts, kept, dest if dest is not None else lens, pages, lens, slots,
+        block_table, seq_lens, fresh, counts, kept, dest, pages, lens, slots,
         num_rows, query_len, block_table.stride(0), pages.stride(0), NUM_HEADS=num_heads, PAGE=page_size,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_C=128, BLOCK_Q=triton.next_power_of_2(query_len),
-        HAS_DEST=dest is not None)
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_C=128, BLOCK_Q=triton.next_power_of_2(query_len))
 
 
 def decode_tables_reference(block_table, seq_lens, fresh, counts, kept, query_len: int, page_size: int):
-    """The same tables (without `dest`: natural order), one (row, head, page) at a time: (pages as lists
+    """The same tables in natural order (dest[i] = i), one (row, head, page) at a time: (pages as lists
     [R][H], lens [R, H], slots [R*q, H])."""
     num_rows, num_heads = counts.shape
     page_lists = [[[] for _ in range(num_heads)] for _ in range(num_rows)]

@@ -55,6 +55,12 @@ def check(device: str, seed: int) -> None:
     tables.load(plan, seq_lens.to(device))
     assert tables.ordered_rows == 1 and sorted(tables.order[0, :H].tolist()) == list(range(H))
     assert int(tables.fresh[2]) == 0 and int(tables.counts[:, 2].abs().sum()) == 0  # row 2 left: zeroed
+    # A step that replays no per-head graph (no per-head rows, captures or compactions) is not ordered.
+    before = tables.order.clone()
+    plan.num_reqs, plan.states, plan.per_head_rows = 2, [None, None], []
+    tables.load(plan, seq_lens.to(device))
+    assert tables.ordered_rows == 0 and torch.equal(tables.order, before)
+    assert int(tables.fresh.abs().sum()) == 0 and int(tables.counts.abs().sum()) == 0
 
 
 def test_in_triton_interpreter():

@@ -49,13 +49,13 @@ def check(device: str, seed: int) -> None:
         inputs = random_batch(gen, num_rows, num_heads, query_len, width)
         ref_pages, ref_lens, ref_slots = decode_tables_reference(*inputs, query_len, PAGE)
         # natural order, and a random order of the virtual sequences (pages and lens move, slots do not)
-        for dest in (None, torch.randperm(num_rows * num_heads, generator=gen).to(torch.int32)):
-            position = torch.arange(num_rows * num_heads) if dest is None else dest.long()
+        for dest in (torch.arange(num_rows * num_heads, dtype=torch.int32),
+                     torch.randperm(num_rows * num_heads, generator=gen).to(torch.int32)):
+            position = dest.long()
             pages = torch.full((num_rows * num_heads, width + 4), -7, dtype=torch.int32, device=device)
             lens = torch.full((num_rows * num_heads,), -7, dtype=torch.int32, device=device)
             slots = torch.full((num_rows * query_len, num_heads), -7, dtype=torch.int64, device=device)
-            decode_tables(*(t.to(device) for t in inputs), query_len, PAGE, pages, lens, slots,
-                          None if dest is None else dest.to(device))
+            decode_tables(*(t.to(device) for t in inputs), query_len, PAGE, pages, lens, slots, dest.to(device))
             assert torch.equal(lens.cpu()[position], ref_lens.flatten()), (lens, ref_lens, dest)
             assert torch.equal(slots.cpu(), ref_slots), (slots, ref_slots)
             for h in range(num_heads):

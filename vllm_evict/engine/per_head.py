@@ -225,9 +225,9 @@ class DecodeGraphTables:
       pages, written by `load` row by row where the per-head rows changed (new requests or layouts, rows moved);
     - per-layer order [L, R*H + 1] (order[l, i]: the virtual sequence at position i; the last entry pads
       cu_seqlens_q's shape) and its inverse position [L, R*H] (int32), recomputed by `load` when the per-head
-      rows or the number of rows change, from the lengths then (rows grow alike from step to step); rows
-      past the batch keep their own positions, so the first n*H entries permute 0 .. n*H - 1 for every
-      graph size n of the batch;
+      rows or the number of rows change, for steps that replay a per-head graph, from the lengths then
+      (rows grow alike from step to step); rows past the batch keep their own positions, so the first n*H
+      entries permute 0 .. n*H - 1 for every graph size n of the batch;
     - per-layer outputs (pages, lens, token slots), recomputed on device inside the graph by one kernel
       per layer from vLLM's block table and (worker-shifted) seq_lens;
     - every layer's queries [L, R, Hq, D] (`queries`): the attention call copies its strided query there,
@@ -260,11 +260,17 @@ class DecodeGraphTables:
     def load(self, plan, seq_lens: torch.Tensor) -> None:
         """Per-row inputs of the step's per-head rows (none: every row in stock layout). Only rows whose
         request or layout changed are written (steady decode: none; a decode point: its requests), and rows
-        that left the per-head layout are zeroed. Then the order, if those rows or the number of rows
-        changed, from the (worker-shifted) seq_lens."""
-        rows = {r: plan.states[r].serial for r in plan.per_head_rows}
-        if plan.num_reqs > self.max_rows or (rows == self.loaded and plan.num_reqs == self.ordered_rows):
+        that left the per-head layout are zeroed. Then, for a step that replays a per-head graph, the order
+        if those rows or the number of rows changed since it was computed, from the (worker-shifted) seq_lens."""
+        if plan.num_reqs > self.max_rows:
             return
+        rows = {r: plan.states[r].serial for r in plan.per_head_rows}
+        if rows != self.loaded:
+            self._load_rows(plan, rows)
+        if plan.needs_per_head_graph and plan.num_reqs != self.ordered_rows:
+            self._order(plan.num_reqs, seq_lens)
+
+    def _load_rows(self, plan, rows: dict[int, int]) -> None:
         device = self.fresh.device
         stale = [r for r, serial in self.loaded.items() if rows.get(r) != serial]
         if stale:
@@ -281,8 +287,7 @@ class DecodeGraphTables:
                                                              device).to(torch.int32))
             self.counts[:num_layers].index_copy_(1, where, torch.stack([c for c, _ in parts], 1).to(torch.int32))
             self.kept[:num_layers].index_copy_(1, where, torch.stack([k for _, k in parts], 1).to(torch.int32))
-        self.loaded = rows
-        self._order(plan.num_reqs, seq_lens)
+        self.loaded, self.ordered_rows = rows, 0  # the lengths changed: order again when a graph needs it
 
     def _order(self, num_rows: int, seq_lens: torch.Tensor) -> None:
         """Each layer's virtual sequences longest first (the kernel's lengths: seq_len - P*page + kept_h),
