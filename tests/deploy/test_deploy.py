@@ -775,7 +775,7 @@ def test_live_server_exports_every_dashboard_series(live_server, tmp_path):
 
 
 def test_make_tiny_prints_only_the_path(tmp_path):
-    """Scripts capture `make-tiny`'s output as the model path (benchmarks/device_soak.sh); the tokenizer
+    """Scripts capture `make-tiny`'s output as the model path (tools/device/device_soak.sh); the tokenizer
     trainer's progress output once put blank lines before it, and the server got a model name of '\\n\\n\\n/...'."""
     out = subprocess.run([sys.executable, "-m", "vllm_evict.cli", "make-tiny", "llama-3.1-8b", "--cache-dir",
                           str(tmp_path)], capture_output=True, text=True, check=True, cwd=tmp_path).stdout

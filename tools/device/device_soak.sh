@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# Issue 18 GPU soak, one engine per call (after staging the vLLM bundle): the OpenAI server on loopback
+# GPU soak (docs/RELIABILITY.md), one engine per call (after staging the vLLM bundle): the OpenAI server on loopback
 # (Llama-3.1-8B config, dummy weights) under benchmarks/load.py, then SIGTERM; JSON and logs under $OUT.
-#   bash benchmarks/device_soak.sh evict|vanilla SECONDS [CLIENTS] [DIR]      (DIR defaults to $OUT)
+#   bash tools/device/device_soak.sh evict|vanilla SECONDS [CLIENTS] [DIR]      (DIR defaults to $OUT)
 # evict: `vllm-evict serve` with the mixed eviction load; vanilla: stock `vllm serve` (only the bundle on
 # PYTHONPATH, no plugins) with the same load minus the eviction field (--mix none).
 # A 600 s soak plus engine start and drain outlasts one device call (600 s): start it detached in one call,
 # from a copy of the tree (the next call replaces the working tree under a running script)
 #   cp -r . /tmp/soakrepo && cd /tmp/soakrepo && \
-#     setsid nohup bash benchmarks/device_soak.sh evict 600 200 /tmp/soak > /tmp/soak.log 2>&1 &
+#     setsid nohup bash tools/device/device_soak.sh evict 600 200 /tmp/soak > /tmp/soak.log 2>&1 &
 # and collect it in the next (back to back, so the machine stays warm):
 #   while [ ! -f /tmp/soak/done_evict ]; do sleep 5; done; cp /tmp/soak/* $OUT/
 # SOAK_PORT (default 8000) and SOAK_ENGINE_ARGS (extra server flags) let both engines share one GPU at once,
 # e.g. SOAK_ENGINE_ARGS="--gpu-memory-utilization 0.45 --kv-cache-memory-bytes 16G" on ports 8000 and 8001.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-source benchmarks/device_env.sh || exit 2
+cd "$(dirname "$0")/../.."
+source tools/device/device_env.sh || exit 2
 engine=$1 seconds=$2 clients=${3:-200} dir=${4:-$OUT}
 mkdir -p "$dir"
 model=$(python3 -c "from vllm_evict.testing.tiny_models import write_real_config as w; print(w('llama-3.1-8b', '/tmp/models'))")
