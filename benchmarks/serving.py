@@ -1,7 +1,9 @@
-"""Serving benchmarks: vllm-evict against vanilla vLLM 0.26.0 on one GPU (issue 7). Not a unit test.
+"""Serving benchmarks: vllm-evict against vanilla vLLM 0.26.0 on a GPU machine. Not a unit test.
+
+    python benchmarks/serving.py run --plan NAME --out-dir DIR     (the plans: PLANS below, docs/BENCHMARKS.md)
 
 Every engine runs in its own subprocess (a clean GPU for each); `run` starts them one after another
-inside one device call, so the vanilla baseline always comes from the same run. The engine is stepped
+in one run, so the vanilla baseline always comes from the same run. The engine is stepped
 in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): step times are what the engine loop takes, scheduling
 and output processing included.
 
@@ -12,20 +14,20 @@ Suites (`--suite`):
   load      N requests of L in / O out, all submitted at t=0, ignore_eos: end-to-end output tokens/s,
             decode-phase tokens/s (steps in which no request prefilled), concurrency, and capacity
             (most requests running before the first preemption). --num-requests 0: as many requests as the
-            KV pool holds at once at this shape (decode tok/s at capacity, issue 32).
+            KV pool holds at once at this shape (decode tok/s at capacity).
   capacity  capacity alone (max_tokens large, stop once admission stalls or a request is preempted).
 
   prefill   prefill-only passes and TTFT at batch 1 per policy, with the reported eviction latency.
   e2e       the end-to-end shapes (--shapes LEN:OUT:N); vanilla also measures eviction's physical limit
             (prefill-only time + decode time at the evicted KV length) on the same engine.
-  decode    decode-heavy load (issue 34): the load suite once per eviction object of --decode-configs
+  decode    decode-heavy load: the load suite once per eviction object of --decode-configs
             (decode-time eviction; vanilla runs it once without eviction).
-  limit     vanilla only (issue 34): the physical limit of decode-time eviction for that decode-heavy shape,
+  limit     vanilla only: the physical limit of decode-time eviction for that decode-heavy shape,
             per decode budget of --decode-configs: prefill-only time + vanilla decode steps over the KV a
             decode-budget request holds at each step (suite_limit says how).
   memory    prefill time and peak KV blocks of one request per length (--memory-lengths), with no eviction,
             one-shot and block-wise KeyDiff (--memory-budget, --chunk-size), and which lengths the KV pool
-            serves at all (issue 17; the evict engine with --allow-long-prompts may exceed the pool).
+            serves at all (the evict engine with --allow-long-prompts may exceed the pool).
 
 Engines (`--engine`): `vanilla` (stock vLLM, VLLM_PLUGINS=none, FLASH_ATTN, vLLM's default CUDA graph
 mode) or `evict` (vllm-evict's engine kwargs: FLASH_ATTN, vLLM's default CUDA graph mode, eviction
@@ -302,7 +304,7 @@ def run_load(args, drv: Driver, deadline: float, num_requests: int, max_tokens: 
 
 def suite_load(args, drv: Driver, deadline: float) -> dict:
     """--num-requests 0: as many requests as the KV pool holds at once at this shape (fit_requests), so that
-    the decode-phase figures are those at capacity (issue 32: decode tok/s at capacity)."""
+    the decode-phase figures are those at capacity (decode tok/s at capacity)."""
     eviction = eviction_of(args)
     fit = fit_requests(args, drv, eviction, args.max_tokens) if args.num_requests == 0 else None
     out = run_load(args, drv, deadline, fit["num_requests"] if fit else args.num_requests, args.max_tokens,
@@ -347,7 +349,7 @@ def fit_requests(args, drv: Driver, eviction: dict | None, max_tokens: int) -> d
 
 
 def suite_decode(args, drv: Driver, deadline: float) -> dict:
-    """Decode-heavy load (issue 34): --num-requests of --prompt-len in / --max-tokens out, all at t=0, once
+    """Decode-heavy load: --num-requests of --prompt-len in / --max-tokens out, all at t=0, once
     per eviction object of --decode-configs on one engine (vanilla: once, without eviction)."""
     configs = [None] if args.engine == "vanilla" else args.decode_configs
     runs = []
@@ -509,7 +511,7 @@ def decode_limit(num_requests: int, max_tokens: int, held_tokens: list[int], pea
 
 
 def suite_limit(args, drv: Driver, deadline: float) -> dict:
-    """Vanilla only (issue 34): the physical limit of decode-time eviction for --num-requests x --prompt-len
+    """Vanilla only: the physical limit of decode-time eviction for --num-requests x --prompt-len
     in / --max-tokens out, one row per distinct (decode_budget, decode_every) of --decode-configs.
 
         limit = prefill-only time + decode time at the KV length an evicting request holds, step by step.
@@ -588,7 +590,7 @@ def suite_prefill(args, drv: Driver, deadline: float) -> dict:
 
 
 def suite_memory(args, drv: Driver, deadline: float) -> dict:
-    """Issue 17, memory-bounded prefill: one request at a time per prompt length (--memory-lengths,
+    """Memory-bounded prefill: one request at a time per prompt length (--memory-lengths,
     max_tokens=1), for no eviction, one-shot KeyDiff and block-wise KeyDiff (--chunk-size) at
     --memory-budget tokens per head (vanilla: no eviction only). Each row has the prefill time, the most KV
     blocks the request held (read after every block allocation of the manager, so a compaction step's
@@ -674,208 +676,128 @@ def run_one(args) -> dict:
     return result
 
 
-# ------------------------------------------------------------------------------------------ orchestration
-# Each plan: the engines of one device call, vanilla first; (engine, suite, extra arguments, seconds).
-PREFILL_ARGS = ["--prefill-shapes", "8192:32", "16384:32", "32768:16", "--ttft-lengths", "8192", "32768",
-                "--repeats", "3", "--max-model-len", "33280"]
-PREFILL14_ARGS = ["--prefill-shapes", "8192:64", "16384:64", "32768:32", "--ttft-lengths", "8192", "32768",
-                  "--repeats", "3", "--max-model-len", "33280"]
-E2E_SHAPES = ["--shapes", "32768:256:8", "16384:512:16", "8192:2048:32", "--max-model-len", "33280"]
-ADAKV31_SHAPES = ["--shapes", "8192:2048:86", "16384:512:64", "--max-model-len", "16896"]
-TP16_E2E = ["--tensor-parallel-size", "2", "--shapes", "32768:256:48", "16384:512:96", "--max-model-len", "33280"]
-TP19_E2E = ["--tensor-parallel-size", "2", "--shapes", "16384:512:96", "--max-model-len", "16896"]
-DECODE34_ARGS = ["--prompt-len", "1024", "--max-tokens", "2048", "--num-requests", "64",
-                 "--kv-cache-memory-bytes", str(8 << 30), "--max-model-len", "4096"]
-REASONING34_ARGS = ["--prompt-len", "1024", "--max-tokens", "4096", "--num-requests", "256", "--max-model-len", "5376"]
-FP8CAP_ARGS = ["--prompt-len", "32768", "--max-tokens", "4096", "--max-model-len", "36864", "--max-num-seqs", "1024"]
-# issue 32, session 16: decode tok/s at capacity (32K in / 256 out, --num-requests 0: as many as the pool holds
-# at once, fit_requests; expected on an H200 26 / 53 / 241 / 491 for vanilla bf16 / fp8, DropKV 10% bf16 / fp8,
-# next to the capacities 27 / 53 / 258 / 527 measured with 4,096 max tokens) and the 16K x 64 / 512-out end to
-# end time with eviction's physical limit (suite e2e, DropKV 10% uniform: the `one` defaults).
-FP8LOAD_ARGS = ["--prompt-len", "32768", "--max-tokens", "256", "--num-requests", "0", "--max-model-len", "33280",
-                "--max-num-seqs", "1024"]
-FP8E2E_SHAPE = ["--shapes", "16384:512:64"]  # --max-model-len 33280: FP8LOAD_ARGS's, or given with it
+# ------------------------------------------------------------------------------------------ plans
+# The workloads behind the figures of docs/BENCHMARKS.md. A plan is the engines of one run, one after another,
+# vanilla vLLM first so that every ratio compares two engines of the same machine: (engine, suite, extra
+# arguments, seconds of budget). `python benchmarks/serving.py run --plan NAME --out-dir DIR` runs one.
+# Llama-3.1-8B config with dummy bf16 weights, all requests submitted at t = 0; the evict engine runs the `one`
+# defaults (DropKV at a 10% budget, uniform) unless a plan says otherwise.
+PREFILL_TTFT = ["--ttft-lengths", "8192", "32768", "--repeats", "3", "--max-model-len", "33280"]
+PREFILL_8K_32K = ["--prefill-shapes", "8192:64", "32768:32", *PREFILL_TTFT]
+PREFILL_8K_16K = ["--prefill-shapes", "8192:64", "16384:64", "--ttft-lengths", "8192", "--repeats", "3",
+                  "--max-model-len", "33280"]
+DECODE_STEP = ["--ttft-cases", "--kv-len", "1024", "--max-model-len", "8192", "--decode-steps", "40"]
+E2E_8K_16K = ["--shapes", "8192:2048:86", "16384:512:64", "--max-model-len", "16896"]
+E2E_8K = E2E_8K_16K[:2] + E2E_8K_16K[3:]  # 86 x 8K in / 2K out only
+TP2_E2E = ["--tensor-parallel-size", "2", "--shapes", "16384:512:96", "--max-model-len", "16896"]
+# decode-time eviction: 64 x 1K in / 2K out on a pool capped at 64K tokens (8 GiB of Llama-3.1-8B KV), so that
+# the pool, not the batch limit, bounds vanilla; and the reasoning shape, 256 x 1K in / 4K out on the whole GPU
+DECODE_BUDGET_64K_POOL = ["--prompt-len", "1024", "--max-tokens", "2048", "--num-requests", "64",
+                          "--kv-cache-memory-bytes", str(8 << 30), "--max-model-len", "4096"]
+REASONING_ARGS = ["--prompt-len", "1024", "--max-tokens", "4096", "--num-requests", "256", "--max-model-len", "5376"]
+# suite limit: the reasoning shape's physical limit at decode budgets 1024 and 2048 (vanilla's own step times)
+REASONING_LIMIT = ["--decode-configs", *[json.dumps({"policy": "dropkv", "decode_budget": b}) for b in (1024, 2048)]]
+CAPACITY_32K = ["--prompt-len", "32768", "--max-tokens", "4096", "--max-model-len", "36864", "--max-num-seqs", "1024"]
+# decode tok/s at capacity (32K in / 256 out, --num-requests 0: as many as the pool holds at once) and
+# 64 x 16K in / 512 out end to end with eviction's physical limit, per KV-cache dtype
+AT_CAPACITY_32K = ["--prompt-len", "32768", "--max-tokens", "256", "--num-requests", "0", "--max-model-len", "33280",
+                   "--max-num-seqs", "1024"]
+E2E_16K = ["--shapes", "16384:512:64"]
 FP8 = ["--kv-cache-dtype", "fp8"]
-# issue 34, session 16: the reasoning shape's decode configs (SnapKV; DropKV + Ada-KV) and its physical limit
-REASONING34_LIMIT = ["--decode-configs", *[json.dumps({"policy": "dropkv", "decode_budget": b}) for b in (1024, 2048)]]
+BLOCKWISE_POOL = ["--kv-cache-memory-bytes", str(8 << 30), "--memory-lengths", "32768", "65000", "131000"]
+
+
+def _decode_configs(*configs: dict) -> list[str]:
+    return ["--decode-configs", *[json.dumps(c) for c in configs]]
+
+
 PLANS = {
-    # issue 13: decode-step table (batches 1..256 at 1024 KV tokens per head) and the three end-to-end shapes
-    "decode13": [("vanilla", "latency", ["--ttft-cases", "--decode-batches", "1", "8", "64", "256",
-                                         "--kv-len", "1024", "--max-model-len", "8192", "--decode-steps", "40"], 200),
-                 ("evict", "latency", ["--ttft-cases", "--decode-batches", "1", "8", "64", "256", "--kv-len", "1024",
-                                       "--max-model-len", "8192", "--decode-steps", "40", "--decode-budget", "0.5",
-                                       "--decode-allocations", "uniform", "adakv"], 260)],
-    # issue 14: prefill-phase time and TTFT, vanilla against DropKV / SnapKV / KeyDiff at 10% (+ DropKV Ada-KV)
-    "prefill14": [("vanilla", "prefill", PREFILL_ARGS, 200),
-                  ("evict", "prefill", PREFILL_ARGS + ["--prefill-policies", "dropkv:uniform", "snapkv:uniform",
-                                                       "keydiff:uniform", "dropkv:adakv"], 340)],
-    # issue 14, session 6: the issue's shapes (64 x 8K, 64 x 16K, 32 x 32K) in two calls, each with its vanilla
-    "prefill14a": [("vanilla", "prefill", PREFILL14_ARGS, 240),
-                   ("evict", "prefill", PREFILL14_ARGS + ["--prefill-policies", "dropkv:uniform", "snapkv:uniform"], 330)],
-    "prefill14b": [("vanilla", "prefill", PREFILL14_ARGS, 240),
-                   ("evict", "prefill", PREFILL14_ARGS + ["--prefill-policies", "keydiff:uniform", "dropkv:adakv"], 330)],
-    # the same after the gather/scatter fix, in one call: 64 x 8K and 32 x 32K, TTFT at 8K and 32K
-    "prefill14c": [("vanilla", "prefill", ["--prefill-shapes", "8192:64", "32768:32", *PREFILL14_ARGS[4:]], 180),
-                   ("evict", "prefill", ["--prefill-shapes", "8192:64", "32768:32", *PREFILL14_ARGS[4:],
-                                         "--prefill-policies", "dropkv:uniform", "keydiff:uniform", "dropkv:adakv"],
-                    330)],
-    # session 7: the final code (warm-up through the engine's path, constant merge width) with its
-    # vanilla in the same call: DropKV, KeyDiff and DropKV + Ada-KV on 64 x 8K and 32 x 32K, TTFT at 8K and 32K
-    "prefill14d": [("vanilla", "prefill", ["--prefill-shapes", "8192:64", "32768:32", *PREFILL14_ARGS[4:]], 180),
-                   ("evict", "prefill", ["--prefill-shapes", "8192:64", "32768:32", *PREFILL14_ARGS[4:],
-                                         "--prefill-policies", "dropkv:uniform", "keydiff:uniform",
-                                         "dropkv:adakv"], 300)],
-    # session 8: Ada-KV rounding on the device and the KeyDiff kernel (0425aeb): the issue's three shapes,
-    # KeyDiff, SnapKV and DropKV + Ada-KV (DropKV uniform is unchanged since prefill14d)
-    "prefill14e": [("vanilla", "prefill", PREFILL14_ARGS, 200),
-                   ("evict", "prefill", PREFILL14_ARGS + ["--prefill-policies", "keydiff:uniform", "snapkv:uniform",
-                                                          "dropkv:adakv"], 390)],
-    # the rest of prefill14e after its evict engine ran past the call's limit: 64 x 8K and 32 x 32K with TTFT
-    "prefill14f": [("vanilla", "prefill", ["--prefill-shapes", "8192:64", "32768:32", *PREFILL14_ARGS[4:]], 150),
-                   ("evict", "prefill", ["--prefill-shapes", "8192:64", "32768:32", *PREFILL14_ARGS[4:],
-                                         "--prefill-policies", "dropkv:adakv", "keydiff:uniform", "snapkv:uniform"],
-                    330)],
-    # session 9: the 64 x 16K rows of SnapKV and DropKV that prefill14e lost, and DropKV + Ada-KV at 8K
-    # after its head counts lost the global sort (f076b6a)
-    "prefill14g": [("vanilla", "prefill", ["--prefill-shapes", "8192:64", "16384:64", "--ttft-lengths", "8192",
-                                           "--repeats", "3", "--max-model-len", "33280"], 180),
-                   ("evict", "prefill", ["--prefill-shapes", "8192:64", "16384:64", "--ttft-lengths", "8192",
-                                         "--repeats", "3", "--max-model-len", "33280", "--prefill-policies",
-                                         "snapkv:uniform", "dropkv:uniform", "dropkv:adakv"], 300)],
-    # session 11: DropKV (uniform and Ada-KV) on the bf16x3 default with the exact peak-key values (the
-    # policies that need a; SnapKV and KeyDiff run no fp32-operand dot and are unchanged)
-    "prefill14h": [("vanilla", "prefill", ["--prefill-shapes", "8192:64", "32768:32", *PREFILL14_ARGS[4:]], 150),
-                   ("evict", "prefill", ["--prefill-shapes", "8192:64", "32768:32", *PREFILL14_ARGS[4:],
-                                         "--prefill-policies", "dropkv:uniform", "dropkv:adakv"], 300)],
-    # the last call of session 4: the 8K shape and the prefill table on the same two engines
-    "final13_14": [("vanilla", "e2e,prefill", ["--shapes", "8192:2048:32", "--prefill-shapes", "8192:32", "32768:16",
-                                               "--ttft-lengths", "8192", "32768", "--repeats", "3",
-                                               "--max-model-len", "33280"], 260),
-                   ("evict", "e2e,prefill", ["--shapes", "8192:2048:32", "--prefill-shapes", "8192:32", "32768:16",
-                                             "--ttft-lengths", "8192", "32768", "--repeats", "3",
-                                             "--max-model-len", "33280", "--prefill-policies", "dropkv:uniform",
-                                             "snapkv:uniform", "keydiff:uniform", "dropkv:adakv"], 340)],
-    # issue 17 (one call each): prefill time, peak blocks and servable lengths on a pool capped at 64K tokens
-    # (8 GiB for Llama-3.1-8B: 128 KiB per token), vanilla against no / one-shot / block-wise KeyDiff at 16K
-    # tokens per head; then the most concurrent 64K requests with the whole GPU
-    "memory17": [("vanilla", "memory", ["--kv-cache-memory-bytes", str(8 << 30), "--max-model-len", "65536",
-                                        "--memory-lengths", "32768", "65000", "131000"], 150),
-                 ("evict", "memory", ["--kv-cache-memory-bytes", str(8 << 30), "--max-model-len", "131072",
-                                      "--allow-long-prompts", "--memory-lengths", "32768", "65000", "131000",
-                                      "--memory-budget", "16384", "--chunk-size", "512"], 380)],
-    "concurrent17": [("vanilla", "capacity", ["--prompt-len", "65536", "--max-tokens", "4096", "--num-requests", "12",
-                                              "--max-model-len", "69632"], 200),
-                     ("evict", "capacity", ["--prompt-len", "65536", "--max-tokens", "4096", "--max-model-len", "69632",
-                                            "--policy", "keydiff", "--capacity-configs", "0.25:uniform",
-                                            "--eviction-options", '{"chunked": true, "chunk_size": 512}'], 330)],
-    # issue 16 on 2 GPUs (nvidia-h200-x2), one call each, vanilla TP=2 in every call: the most concurrent 32K
-    # requests (DropKV 10% uniform and Ada-KV); end to end at 32K / 256 and 16K / 512 with the decode rate,
-    # against DropKV 10% uniform (b) and Ada-KV (c)
-    "tp16a": [("vanilla", "capacity", ["--tensor-parallel-size", "2", "--prompt-len", "32768", "--max-tokens", "4096",
-                                       "--num-requests", "80", "--max-model-len", "36864"], 200),
-              ("evict", "capacity", ["--tensor-parallel-size", "2", "--prompt-len", "32768", "--max-tokens", "4096",
-                                     "--max-model-len", "36864", "--capacity-configs", "0.1:uniform", "0.1:adakv"],
-               340)],
-    "tp16b": [("vanilla", "e2e", TP16_E2E, 300), ("evict", "e2e", TP16_E2E, 240)],
-    "tp16c": [("vanilla", "e2e", TP16_E2E, 300), ("evict", "e2e", TP16_E2E + ["--allocation", "adakv"], 240)],
-    # session 19, the first TP=2 run on GPUs (nvidia-h100-x2 / h200-x2; FULL graphs, async scheduling, Ada-KV's
-    # all-gather over NCCL): one shape, vanilla with its limit, DropKV 10% uniform and Ada-KV on one engine
-    "tp19": [("vanilla", "e2e", TP19_E2E, 250), ("evict", "e2e", TP19_E2E + ["--allocation", "uniform,adakv"], 290)],
-    "e2e13": [("vanilla", "e2e", E2E_SHAPES, 300), ("evict", "e2e", E2E_SHAPES, 220)],
-    # issue 31, session 18: its two shapes end to end (vanilla with the physical limit), DropKV 10% uniform
-    # against Ada-KV on one engine
-    "adakv31": [("vanilla", "e2e", ADAKV31_SHAPES, 320),
-                ("evict", "e2e", ADAKV31_SHAPES + ["--allocation", "uniform,adakv"], 300)],
-    # the same at 86 x 8K with SnapKV (the issue's Ada-KV row)
-    "adakv31s": [("vanilla", "e2e", ADAKV31_SHAPES[:2] + ADAKV31_SHAPES[3:], 240),
-                 ("evict", "e2e", ADAKV31_SHAPES[:2] + ADAKV31_SHAPES[3:] + ["--policy", "snapkv", "--allocation",
-                                                                              "uniform,adakv"], 240)],
-    "latency": [("vanilla", "latency", [], 240), ("evict", "latency", [], 300)],
-    # decode-step latency and 32K decode throughput without TTFT cases or capacity runs (one call)
-    # (the first engine of a fresh machine compiles: ~90 s of its budget)
-    "decode": [("vanilla", "latency", ["--ttft-cases"], 190), ("evict", "latency", ["--ttft-cases"], 150),
-               ("vanilla", "load", ["--prompt-len", "32768", "--max-tokens", "512", "--num-requests", "26"], 170),
-               ("evict", "load", ["--prompt-len", "32768", "--max-tokens", "512", "--num-requests", "192",
-                                  "--shared-prefix"], 140)],
-    "load8k": [("vanilla", "load", ["--prompt-len", "8192", "--max-tokens", "1024", "--num-requests", "256"], 290),
-               ("evict", "load", ["--prompt-len", "8192", "--max-tokens", "1024", "--num-requests", "256"], 270)],
-    "load32k": [("vanilla", "load", ["--prompt-len", "32768", "--max-tokens", "512", "--num-requests", "26"], 210),
-                ("evict", "load", ["--prompt-len", "32768", "--max-tokens", "512", "--num-requests", "192",
-                                   "--shared-prefix"], 200),
-                ("evict", "capacity", ["--prompt-len", "32768", "--max-tokens", "4096", "--shared-prefix",
-                                       "--capacity-configs", "0.2:uniform", "0.1:adakv", "0.2:adakv"], 240)],
-    # issue 34, scaled to one short device call: 64 x 1K in / 2K out on a 64K-token pool (8 GiB of
-    # Llama-3.1-8B KV), so the pool, not the batch limit, bounds vanilla; decode budgets of 1/4 and 1/2 of
-    # the output (the issue's 1024 and 2048 of 4K), DropKV and SnapKV, uniform, every 128 tokens
-    # issue 34, the issue's reasoning shape on the whole GPU: 256 x 1K in / 4K out, decode budgets 1024 and 2048
-    "reasoning34": [("vanilla", "decode", REASONING34_ARGS, 330),
-                    ("evict", "decode", REASONING34_ARGS + ["--decode-configs", *[
-                        json.dumps({"policy": "dropkv", "decode_budget": budget}) for budget in (1024, 2048)]], 330)],
-    # issue 32: concurrent 32K requests with a bf16 and an fp8 cache, vanilla and DropKV at 10% (two calls)
-    "fp8cap32a": [("vanilla", "capacity", FP8CAP_ARGS + ["--num-requests", "72"], 240),
-                  ("evict", "capacity", FP8CAP_ARGS + ["--shared-prefix", "--capacity-configs", "0.1:uniform"], 300)],
-    "fp8cap32b": [("vanilla", "capacity", FP8CAP_ARGS + ["--num-requests", "144", "--kv-cache-dtype", "fp8"], 300),
-                  ("evict", "capacity", FP8CAP_ARGS + ["--shared-prefix", "--capacity-configs", "0.1:uniform",
-                                                       "--kv-cache-dtype", "fp8"], 300)],
-    "decode34": [("vanilla", "decode", DECODE34_ARGS, 200),
-                 ("evict", "decode", DECODE34_ARGS + ["--decode-configs", *[
-                     json.dumps({"policy": policy, "decode_budget": budget})
-                     for budget in (512, 1024) for policy in ("dropkv", "snapkv")]], 330)],
-    # ---- session 16 (benchmarks/device_session16.sh lists the calls in order, with expected seconds) ----
-    # issue 32, one call per cache dtype, one engine start per engine: decode tok/s at capacity (suite load)
-    # and 16K x 64 / 512-out end to end (suite e2e; vanilla also measures the limit). --shared-prefix applies
-    # to the load suite only (suite e2e always sends distinct prompts). H200 estimate: ~330 s and ~350 s.
-    "fp8perf32a": [("vanilla", "load,e2e", FP8LOAD_ARGS + FP8E2E_SHAPE, 280),
-                   ("evict", "load,e2e", FP8LOAD_ARGS + FP8E2E_SHAPE + ["--shared-prefix"], 220)],
-    "fp8perf32b": [("vanilla", "load,e2e", FP8LOAD_ARGS + FP8E2E_SHAPE + FP8, 290),
-                   ("evict", "load,e2e", FP8LOAD_ARGS + FP8E2E_SHAPE + ["--shared-prefix"] + FP8, 230)],
-    # the same halves as separate plans (to redo one after a failed call; each costs its own engine starts)
-    "fp8load32a": [("vanilla", "load", FP8LOAD_ARGS, 180), ("evict", "load", FP8LOAD_ARGS + ["--shared-prefix"], 160)],
-    "fp8load32b": [("vanilla", "load", FP8LOAD_ARGS + FP8, 200),
-                   ("evict", "load", FP8LOAD_ARGS + ["--shared-prefix"] + FP8, 170)],
-    "fp8e2e16a": [("vanilla", "e2e", FP8E2E_SHAPE + ["--max-model-len", "33280"], 220),
-                  ("evict", "e2e", FP8E2E_SHAPE + ["--max-model-len", "33280"], 160)],
-    "fp8e2e16b": [("vanilla", "e2e", FP8E2E_SHAPE + ["--max-model-len", "33280"] + FP8, 200),
-                  ("evict", "e2e", FP8E2E_SHAPE + ["--max-model-len", "33280"] + FP8, 160)],
-    # issue 34: SnapKV at decode budgets 1024 and 2048 with vanilla in the same call (H200 estimate ~510 s:
-    # vanilla 224 s as in reasoning34, then one evict engine ~70 s + ~92 s + ~122 s)
-    "reasoning34b": [("vanilla", "decode", REASONING34_ARGS, 300),
-                     ("evict", "decode", REASONING34_ARGS + ["--decode-configs", *[
-                         json.dumps({"policy": "snapkv", "decode_budget": budget}) for budget in (1024, 2048)]], 320)],
-    # reasoning34b in two calls, for an H100 (whose vanilla alone takes ~300 s of the call)
-    "reasoning34b1": [("vanilla", "decode", REASONING34_ARGS, 360), ("evict", "decode", REASONING34_ARGS + [
-        "--decode-configs", json.dumps({"policy": "snapkv", "decode_budget": 1024})], 220)],
-    "reasoning34b2": [("vanilla", "decode", REASONING34_ARGS, 360), ("evict", "decode", REASONING34_ARGS + [
-        "--decode-configs", json.dumps({"policy": "snapkv", "decode_budget": 2048})], 260)],
-    # issue 34: the physical limit of the reasoning shape (suite limit: prefill-only time + vanilla decode
-    # steps over the KV a decode-budget request holds, step by step; see suite_limit), on the engine that also
-    # runs vanilla's own reasoning34 run, so both come from one engine (H200 estimate ~270 s)
-    "reasoning34limit": [("vanilla", "limit,decode", REASONING34_ARGS + REASONING34_LIMIT, 380)],
-    # reasoning34limit plus DropKV + Ada-KV at decode budget 1024 (Ada-KV decode budgets: if the engine still
-    # refuses them, the row records the error and the call still gives the limit; H200 estimate ~440 s)
-    "reasoning34c": [("vanilla", "limit,decode", REASONING34_ARGS + REASONING34_LIMIT, 380),
-                     ("evict", "decode", REASONING34_ARGS + ["--decode-configs", json.dumps(
-                         {"policy": "dropkv", "decode_budget": 1024, "allocation": "adakv"})], 260)],
-    # ---- session 17 (benchmarks/device_calls.sh) ----
-    # issue 34: Ada-KV decode budgets after the batched per-head gather, vanilla in the same call: DropKV and
-    # SnapKV + Ada-KV at 1024 (H200 estimate ~520 s: vanilla ~215 s, one evict engine ~70 + 2 x ~95 s)
-    "reasoning34d": [("vanilla", "decode", REASONING34_ARGS, 300),
-                     ("evict", "decode", REASONING34_ARGS + ["--decode-configs", *[
-                         json.dumps({"policy": policy, "decode_budget": 1024, "allocation": "adakv"})
-                         for policy in ("dropkv", "snapkv")]], 300)],
-    # issue 34 (no-eviction decode against vanilla) and 31 (Ada-KV against uniform): decode13's step table at
-    # batches 64 and 256 only (H200 estimate ~250 s)
-    "decode17": [("vanilla", "latency", ["--ttft-cases", "--decode-batches", "64", "256", "--kv-len", "1024",
-                                         "--max-model-len", "8192", "--decode-steps", "40"], 150),
-                 ("evict", "latency", ["--ttft-cases", "--decode-batches", "64", "256", "--kv-len", "1024",
-                                       "--max-model-len", "8192", "--decode-steps", "40", "--decode-budget", "0.5",
-                                       "--decode-allocations", "uniform", "adakv"], 180)],
-    # the rows left: SnapKV + Ada-KV at 2048, and DropKV uniform at 1024 beside them (~540 s)
-    "reasoning34e": [("vanilla", "decode", REASONING34_ARGS, 300),
-                     ("evict", "decode", REASONING34_ARGS + ["--decode-configs", *[
-                         json.dumps({"policy": policy, "decode_budget": budget, "allocation": allocation})
-                         for policy, budget, allocation in (("snapkv", 2048, "adakv"), ("dropkv", 1024, "uniform"))]],
-                      320)],
+    # capacity: concurrent 32K-token requests until the first preemption (H100: vanilla's load at 32K / 512,
+    # then DropKV shared-prefix load and capacity at 0.1 / 0.2, uniform / Ada-KV)
+    "capacity-decode-32k-512": [
+        ("vanilla", "load", ["--prompt-len", "32768", "--max-tokens", "512", "--num-requests", "26"], 210),
+        ("evict", "load", ["--prompt-len", "32768", "--max-tokens", "512", "--num-requests", "192", "--shared-prefix"],
+         200),
+        ("evict", "capacity", ["--prompt-len", "32768", "--max-tokens", "4096", "--shared-prefix",
+                               "--capacity-configs", "0.2:uniform", "0.1:adakv", "0.2:adakv"], 240)],
+    # the same count with 4,096 tokens out, per KV-cache dtype
+    "capacity-32k-bf16": [("vanilla", "capacity", CAPACITY_32K + ["--num-requests", "72"], 240),
+                          ("evict", "capacity", CAPACITY_32K + ["--shared-prefix", "--capacity-configs", "0.1:uniform"],
+                           300)],
+    "capacity-32k-fp8": [("vanilla", "capacity", CAPACITY_32K + ["--num-requests", "144"] + FP8, 300),
+                         ("evict", "capacity", CAPACITY_32K + ["--shared-prefix", "--capacity-configs", "0.1:uniform"]
+                          + FP8, 300)],
+    # decode throughput at capacity and end to end at 16K, bf16 against fp8 cache (--shared-prefix: load only)
+    "capacity-e2e-bf16": [("vanilla", "load,e2e", AT_CAPACITY_32K + E2E_16K, 280),
+                          ("evict", "load,e2e", AT_CAPACITY_32K + E2E_16K + ["--shared-prefix"], 220)],
+    "capacity-e2e-fp8": [("vanilla", "load,e2e", AT_CAPACITY_32K + E2E_16K + FP8, 290),
+                         ("evict", "load,e2e", AT_CAPACITY_32K + E2E_16K + ["--shared-prefix"] + FP8, 230)],
+    # end to end against the physical limit (vanilla measures it): DropKV uniform and Ada-KV on one engine
+    "e2e-8k-2k-16k-512": [("vanilla", "e2e", E2E_8K_16K, 320),
+                          ("evict", "e2e", E2E_8K_16K + ["--allocation", "uniform,adakv"], 300)],
+    "e2e-8k-2k-snapkv": [("vanilla", "e2e", E2E_8K, 240),
+                         ("evict", "e2e", E2E_8K + ["--policy", "snapkv", "--allocation", "uniform,adakv"], 240)],
+    # tensor parallelism on two GPUs (FULL graphs, async scheduling, Ada-KV's all-gather over NCCL)
+    "tp2-e2e-16k-512": [("vanilla", "e2e", TP2_E2E, 250),
+                        ("evict", "e2e", TP2_E2E + ["--allocation", "uniform,adakv"], 290)],
+    # prefill-phase time (max_tokens=1) and TTFT at batch 1
+    "prefill-8k-32k-dropkv": [("vanilla", "prefill", PREFILL_8K_32K, 150),
+                              ("evict", "prefill", PREFILL_8K_32K + ["--prefill-policies", "dropkv:uniform",
+                                                                     "dropkv:adakv"], 300)],
+    "prefill-8k-32k-keydiff-snapkv": [("vanilla", "prefill", PREFILL_8K_32K, 150),
+                                      ("evict", "prefill", PREFILL_8K_32K + ["--prefill-policies", "dropkv:adakv",
+                                                                             "keydiff:uniform", "snapkv:uniform"], 330)],
+    "prefill-8k-16k": [("vanilla", "prefill", PREFILL_8K_16K, 180),
+                       ("evict", "prefill", PREFILL_8K_16K + ["--prefill-policies", "snapkv:uniform", "dropkv:uniform",
+                                                              "dropkv:adakv"], 300)],
+    # decode step at 1,024 KV tokens per head: vanilla, the plugin without eviction, 2,048-token prompts
+    # evicted to 1,024 (DropKV 0.5) with uniform and Ada-KV allocation
+    "decode-step-batches-1-256": [
+        ("vanilla", "latency", DECODE_STEP + ["--decode-batches", "1", "8", "64", "256"], 200),
+        ("evict", "latency", DECODE_STEP + ["--decode-batches", "1", "8", "64", "256", "--decode-budget", "0.5",
+                                            "--decode-allocations", "uniform", "adakv"], 260)],
+    "decode-step-batches-64-256": [
+        ("vanilla", "latency", DECODE_STEP + ["--decode-batches", "64", "256"], 150),
+        ("evict", "latency", DECODE_STEP + ["--decode-batches", "64", "256", "--decode-budget", "0.5",
+                                            "--decode-allocations", "uniform", "adakv"], 180)],
+    # decode-time eviction: decode budgets every 128 generated tokens, no prompt eviction
+    "decode-budget-1k-2k-64k-pool": [
+        ("vanilla", "decode", DECODE_BUDGET_64K_POOL, 200),
+        ("evict", "decode", DECODE_BUDGET_64K_POOL + _decode_configs(*[
+            {"policy": policy, "decode_budget": budget} for budget in (512, 1024) for policy in ("dropkv", "snapkv")]),
+         330)],
+    "reasoning-1k-4k-dropkv": [("vanilla", "decode", REASONING_ARGS, 330),
+                               ("evict", "decode", REASONING_ARGS + _decode_configs(
+                                   *[{"policy": "dropkv", "decode_budget": b} for b in (1024, 2048)]), 330)],
+    "reasoning-1k-4k-snapkv": [("vanilla", "decode", REASONING_ARGS, 300),
+                               ("evict", "decode", REASONING_ARGS + _decode_configs(
+                                   *[{"policy": "snapkv", "decode_budget": b} for b in (1024, 2048)]), 320)],
+    # vanilla's own run and the physical limit from its step times, then DropKV + Ada-KV at 1024
+    "reasoning-1k-4k-limit": [("vanilla", "limit,decode", REASONING_ARGS + REASONING_LIMIT, 380),
+                              ("evict", "decode", REASONING_ARGS + _decode_configs(
+                                  {"policy": "dropkv", "decode_budget": 1024, "allocation": "adakv"}), 260)],
+    "reasoning-1k-4k-adakv": [("vanilla", "decode", REASONING_ARGS, 300),
+                              ("evict", "decode", REASONING_ARGS + _decode_configs(
+                                  *[{"policy": policy, "decode_budget": 1024, "allocation": "adakv"}
+                                    for policy in ("dropkv", "snapkv")]), 300)],
+    # SnapKV + Ada-KV at 2048, and DropKV uniform at 1024 beside it
+    "reasoning-1k-4k-adakv-2048": [("vanilla", "decode", REASONING_ARGS, 300),
+                                   ("evict", "decode", REASONING_ARGS + _decode_configs(
+                                       {"policy": "snapkv", "decode_budget": 2048, "allocation": "adakv"},
+                                       {"policy": "dropkv", "decode_budget": 1024, "allocation": "uniform"}), 320)],
+    # memory-bounded prefill on a pool capped at 64K tokens: vanilla against no / one-shot / block-wise KeyDiff
+    # at 16K tokens per head, one request at a time (peak blocks, prefill time, longest servable prompt)
+    "blockwise-memory-64k-pool": [
+        ("vanilla", "memory", BLOCKWISE_POOL + ["--max-model-len", "65536"], 150),
+        ("evict", "memory", BLOCKWISE_POOL + ["--max-model-len", "131072", "--allow-long-prompts",
+                                              "--memory-budget", "16384", "--chunk-size", "512"], 380)],
+    # the most concurrent 64K requests on the whole GPU, block-wise KeyDiff at 0.25 in 512-token chunks
+    "blockwise-capacity-64k": [
+        ("vanilla", "capacity", ["--prompt-len", "65536", "--max-tokens", "4096", "--num-requests", "12",
+                                 "--max-model-len", "69632"], 200),
+        ("evict", "capacity", ["--prompt-len", "65536", "--max-tokens", "4096", "--max-model-len", "69632",
+                               "--policy", "keydiff", "--capacity-configs", "0.25:uniform",
+                               "--eviction-options", '{"chunked": true, "chunk_size": 512}'], 330)],
 }
 
 

@@ -62,7 +62,7 @@ def test_latency_suite_rows(tmp_path):
 
 
 def test_memory_suite_rows(tmp_path):
-    """Suite memory (issue 17) on a 48-block pool with --max-model-len beyond it: peak blocks per mode, and a
+    """Suite memory (memory-bounded prefill) on a 48-block pool with --max-model-len beyond it: peak blocks per mode, and a
     1500-token prompt that only block-wise eviction serves."""
     out = tmp_path / "memory.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serving.py"), "one", "--out", str(out), "--engine", "evict",
@@ -86,7 +86,7 @@ def test_memory_suite_rows(tmp_path):
 
 
 def test_capacity_suite_at_tensor_parallel_2(tmp_path):
-    """--tensor-parallel-size 2 (issue 16's plans for 2 GPUs) on two CPU worker processes: each rank holds one
+    """--tensor-parallel-size 2 (the plans for 2 GPUs) on two CPU worker processes: each rank holds one
     of the two KV heads, so the same KV bytes hold twice the tokens, and eviction still raises the capacity
     above what plain requests could reach."""
     run = run_one(tmp_path, "tp2", "--engine", "evict", "--suite", "capacity", "--tensor-parallel-size", "2",
@@ -98,7 +98,7 @@ def test_capacity_suite_at_tensor_parallel_2(tmp_path):
 
 
 def test_limit_suite_on_vanilla(tmp_path):
-    """Suite limit (issue 34) after vanilla's own decode run on one engine: the prefill-only pass, a step-time
+    """Suite limit after vanilla's own decode run on one engine: the prefill-only pass, a step-time
     curve over the KV range a decode-budget request holds, and the limit per decode budget next to vanilla's
     wall time."""
     config = '{"policy": "dropkv", "decode_budget": 32, "decode_every": 16}'
@@ -117,7 +117,7 @@ def test_limit_suite_on_vanilla(tmp_path):
 
 
 def test_load_at_capacity_and_e2e_on_one_engine(tmp_path):
-    """--num-requests 0 (issue 32: decode tok/s at capacity) sizes the load from the pool and the request's
+    """--num-requests 0 (decode tok/s at capacity) sizes the load from the pool and the request's
     compacted blocks; suite e2e after it on the same engine sends distinct prompts despite --shared-prefix,
     once per allocation of --allocation (the load suite takes the first)."""
     run = run_one(tmp_path, "fit", "--engine", "evict", "--suite", "load,e2e", "--prompt-len", "768",

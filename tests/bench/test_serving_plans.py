@@ -1,7 +1,8 @@
-"""benchmarks/serving.py without an engine: every plan parses, the decode-budget arithmetic of suite limit
-follows the engine's CompactionSchedule, and the limit sums a measured step-time curve as documented."""
+"""benchmarks/serving.py without an engine: every plan parses, every workload the docs name exists, the
+decode-budget arithmetic of suite limit follows the engine's CompactionSchedule, and the limit sums a measured step-time curve as documented."""
 
 import importlib.util
+import re
 import shlex
 import statistics
 from pathlib import Path
@@ -22,6 +23,7 @@ def serving():
 def test_every_plan_parses(serving):
     parser = serving.build_parser()
     for name, plan in serving.PLANS.items():
+        assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", name), name  # descriptive, lower-case words
         assert plan and plan[0][0] == "vanilla", name  # vanilla first
         for engine, suite, extra, seconds in plan:
             args = parser.parse_args(["one", "--engine", engine, "--suite", suite, "--out", "x.json", *extra])
@@ -29,63 +31,57 @@ def test_every_plan_parses(serving):
             assert not (engine == "vanilla" and args.shared_prefix), name
             assert not (engine == "evict" and "limit" in suite.split(",")), name
             assert 60 < seconds <= 400, name
-    parser.parse_args(["run", "--plan", "reasoning34c", "--out-dir", "x"])
+        parser.parse_args(["run", "--plan", name, "--out-dir", "x"])
 
 
-def test_session16_plans(serving):
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tools" / "device" / "README.md"]
+
+
+def test_every_documented_workload_exists(serving):
+    """Every `--plan NAME` and every workload of `device_calls.sh NAME ...` in the docs names an entry of the
+    registry (serving.py's PLANS, or device_calls.sh's own profile runs and fp8-needle)."""
+    script = (ROOT / "tools" / "device" / "device_calls.sh").read_text()
+    profiles = set(re.findall(r"^\s*\[([a-z0-9-]+)\]=", script, re.M))
+    assert {"profile-order", "profile-splits", "profile-adakv-decode"} <= profiles
+    known = set(serving.PLANS) | profiles | {"fp8-needle"}
+    named = {}
+    for doc in DOCS:
+        text = doc.read_text()
+        for name in re.findall(r"--plan[ =]([A-Za-z0-9_.-]+)", text):
+            named.setdefault(name, doc.name)
+        for line in re.findall(r"device_calls\.sh((?: +[A-Za-z0-9_-]+)+)", text):
+            for name in line.split():
+                named.setdefault(name, doc.name)
+    named.pop("NAME", None), named.pop("PLAN", None)
+    assert "e2e-8k-2k-snapkv" in named  # the reference actually cites plans
+    missing = {name: doc for name, doc in named.items() if name not in known}
+    assert not missing, f"workloads named in the docs but not in the registry: {missing}"
+
+
+def test_plans_as_documented(serving):
+    """What the docs say of a few plans: both engines of a run use one KV-cache dtype; the decode-budget
+    plans share the reasoning shape with their vanilla; the end-to-end plans run uniform and Ada-KV."""
     plans = serving.PLANS
-    for name in ("fp8perf32a", "fp8perf32b", "fp8load32a", "fp8load32b", "fp8e2e16a", "fp8e2e16b"):
-        fp8 = name.endswith("b")
+    for name in ("capacity-e2e-bf16", "capacity-e2e-fp8", "capacity-32k-bf16", "capacity-32k-fp8"):
+        fp8 = name.endswith("fp8")
         for engine, suite, extra, _ in plans[name]:
-            assert ("--kv-cache-dtype" in extra) == fp8, (name, engine)  # both engines of a call, one dtype
+            assert ("--kv-cache-dtype" in extra) == fp8, (name, engine)
             if "load" in suite:
                 assert extra[extra.index("--num-requests") + 1] == "0"  # at capacity
             if "e2e" in suite:
                 assert extra[extra.index("--shapes") + 1] == "16384:512:64"
-    evict = plans["reasoning34c"][1][2]
-    assert '{"policy": "dropkv", "decode_budget": 1024, "allocation": "adakv"}' in evict
-    assert plans["reasoning34c"][0] == plans["reasoning34limit"][0]
-    assert [e for e, *_ in plans["reasoning34b"]] == ["vanilla", "evict"]
-    documented = (ROOT / "docs" / "BENCHMARKS.md").read_text()  # each call's command, where its results are
-    for name in ("fp8perf32a", "fp8perf32b", "reasoning34b", "reasoning34c"):
-        assert f"{name}`" in documented, name
-
-
-def test_session17_plans(serving):
-    """Ada-KV decode budgets beside their vanilla (issue 34) and the no-eviction step table (issues 34, 31);
-    device_calls.sh runs the serving plans and its own profile plans."""
-    plans = serving.PLANS
-    for name in ("reasoning34d", "reasoning34e"):
+    for name in ("reasoning-1k-4k-adakv", "reasoning-1k-4k-adakv-2048", "reasoning-1k-4k-snapkv"):
         (vanilla, _, vanilla_args, _), (evict, _, evict_args, _) = plans[name]
-        assert (vanilla, evict) == ("vanilla", "evict") and vanilla_args == serving.REASONING34_ARGS
+        assert (vanilla, evict) == ("vanilla", "evict") and vanilla_args == serving.REASONING_ARGS
         assert evict_args[: len(vanilla_args)] == vanilla_args and "--decode-configs" in evict_args
-    assert '"allocation": "adakv"' in plans["reasoning34d"][1][2][-1]
-    vanilla, evict = plans["decode17"]
-    assert "--decode-budget" not in vanilla[2] and evict[2][evict[2].index("--decode-allocations") + 1:] == [
-        "uniform", "adakv"]
-    script = (ROOT / "benchmarks" / "device_calls.sh").read_text()
-    documented = (ROOT / "docs" / "BENCHMARKS.md").read_text()
-    for name in ("reasoning34d", "reasoning34e", "decode17", "profile-decode34", "profile-adakv31", "profile-splits86"):
-        assert f"device_calls.sh {name}" in documented or f"`... {name}`" in documented, name
-        assert name in script or name in plans, name
-
-
-def test_session18_plans(serving):
-    """Issue 31: its two shapes, uniform and Ada-KV on one evict engine beside vanilla's limit; the split sweep."""
-    plans = serving.PLANS
-    for name, policy in (("adakv31", "dropkv"), ("adakv31s", "snapkv")):
+    assert '{"policy": "dropkv", "decode_budget": 1024, "allocation": "adakv"}' in plans["reasoning-1k-4k-limit"][1][2]
+    for name, policy in (("e2e-8k-2k-16k-512", "dropkv"), ("e2e-8k-2k-snapkv", "snapkv")):
         (vanilla, suite, vanilla_args, _), (evict, _, evict_args, _) = plans[name]
         assert (vanilla, evict, suite) == ("vanilla", "evict", "e2e")
         args = serving.build_parser().parse_args(["one", "--engine", "evict", "--suite", "e2e", "--out", "x",
                                                   *evict_args])
         assert args.allocation.split(",") == ["uniform", "adakv"] and args.policy == policy
         assert evict_args[: len(vanilla_args)] == vanilla_args and "8192:2048:86" in vanilla_args
-    assert "16384:512:64" in plans["adakv31"][0][2]
-    script = (ROOT / "benchmarks" / "device_calls.sh").read_text()
-    documented = (ROOT / "docs" / "BENCHMARKS.md").read_text()
-    for name in ("adakv31", "adakv31s", "profile-splits18", "profile-adakv31", "profile-order18", "profile-order19"):
-        assert f"device_calls.sh {name}" in documented, name
-        assert name in script or name in plans, name
 
 
 CASES = [  # prompt, max_tokens, decode_budget, decode_every
@@ -144,7 +140,7 @@ def test_held_blocks_at_end_one_shot(serving):
 
 
 def test_eval_kv_cache_dtype():
-    """`vllm-evict eval --kv-cache-dtype fp8` reaches the engine and the reproducing command (issue 32)."""
+    """`vllm-evict eval --kv-cache-dtype fp8` reaches the engine and the reproducing command."""
     import argparse
 
     from vllm_evict.bench.eval import EvalConfig, engine_arguments
