@@ -30,12 +30,12 @@ def plot_scoring() -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for policy, prec in sorted({(r[0], r[1]) for r in rows}):
         pts = sorted((r[2], r[3] / r[4]) for r in rows if r[0] == policy and r[1] == prec)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{policy} ({prec}, session 1)")
-    # session 11: bf16x3 with exact peak-key values became the default (docs/results/session11/scoring_T4.json)
-    t4 = [r for r in _result("session11/scoring_T4.json")["rows"]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{policy} ({prec}, 2026-11-22)")
+    # 2026-11-25: bf16x3 with exact peak-key values became the default (docs/results/scoring-kernels/scoring_T4_fbde278.json)
+    t4 = [r for r in _result("scoring-kernels/scoring_T4_fbde278.json")["rows"]
           if r["policy"] == "dropkv" and r["precision"] == "bf16x3" and r.get("naive_ms")]
     ax.plot([r["n"] for r in t4], [r["naive_ms"] / r["triton_ms"] for r in t4], marker="s", color="black",
-            label="dropkv (default since session 11: bf16x3 + exact peak keys)")
+            label="dropkv (default since 2026-11-25: bf16x3 + exact peak keys)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt length n (tokens)")
     ax.set_ylabel("speedup over naive torch scorer (x)")
@@ -51,7 +51,7 @@ def plot_scoring() -> Path:
 
 
 def plot_capacity() -> Path:
-    runs = [json.loads(p.read_text()) for p in sorted((ROOT / "docs" / "results").glob("gpu_capacity_*.json"))]
+    runs = [json.loads(p.read_text()) for p in sorted((ROOT / "docs" / "results").glob("capacity/gpu_capacity_*.json"))]
     runs.sort(key=lambda r: r["max_running_before_preemption"])
     labels = ["stock vLLM" if r["budget"] is None else f"{r['policy']} {r['budget']:.0%} {r['allocation']}"
               for r in runs]
@@ -68,16 +68,21 @@ def plot_capacity() -> Path:
     return out
 
 
+MEMORY = "memory-bounded-prefill/blockwise-memory-64k-pool_{}_memory_0f19ecb.json"
+CONCURRENT = "memory-bounded-prefill/blockwise-capacity-64k_{}_capacity_0f19ecb.json"
+
+
 def _result(name: str) -> dict:
     return json.loads((ROOT / "docs" / "results" / name).read_text())
 
 
 def plot_serving() -> Path:
     """Issue-7 serving figures: capacity, decode throughput at capacity, TTFT (H100, one run each)."""
-    vanilla, evict = _result("serving_load32k_vanilla_h100.json"), _result("serving_load32k_evict_h100.json")
+    vanilla, evict = _result("capacity/serving_capacity-decode-32k-512_vanilla_h100.json"), _result(
+        "capacity/serving_capacity-decode-32k-512_evict_h100.json")
     caps = [("vanilla", vanilla["capacity"])] + [("dropkv 10% uniform", evict["capacity"])] + [
         (f"dropkv {r['eviction']['budget']:.0%} {r['eviction']['allocation']}", r["capacity"])
-        for r in _result("serving_capacity_evict_h100.json")["runs"]]
+        for r in _result("capacity/serving_capacity_evict_h100.json")["runs"]]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     ax = axes[0]
     bars = ax.bar([c[0] for c in caps], [c[1] for c in caps], color=["#999999"] + ["#1f77b4"] * (len(caps) - 1))
@@ -102,7 +107,7 @@ def plot_serving() -> Path:
     ax.legend(fontsize=8, loc="upper left")
     ax = axes[2]
     ttft = {}
-    for name, label in (("serving_latency_vanilla_h100.json", "vanilla"), ("serving_latency_evict_h100.json",
+    for name, label in (("decode-step/serving_latency_vanilla_h100.json", "vanilla"), ("decode-step/serving_latency_evict_h100.json",
                                                                            "dropkv 10%")):
         for row in _result(name)["ttft"]:
             if row["repeat"] == 1:
@@ -128,10 +133,10 @@ def plot_serving() -> Path:
 
 def plot_memory_bounded() -> Path:
     """Issue-17 figure: peak KV blocks and prefill time per prompt length on a 64K-token pool, and concurrent
-    64K requests (H100, session 10: docs/results/session10/)."""
-    runs = {r["engine"]: r["rows"] for r in (_result("session10/memory17_0_vanilla_memory.json"),
-                                             _result("session10/memory17_1_evict_memory.json"))}
-    pool = _result("session10/memory17_0_vanilla_memory.json")["kv_pool_tokens"] // 16
+    64K requests (H100, 2026-11-23: docs/results/memory-bounded-prefill/)."""
+    runs = {r["engine"]: r["rows"] for r in (_result(MEMORY.format("0_vanilla")),
+                                             _result(MEMORY.format("1_evict")))}
+    pool = _result(MEMORY.format("0_vanilla"))["kv_pool_tokens"] // 16
 
     def mode(row):
         ev = row["eviction"]
@@ -157,8 +162,8 @@ def plot_memory_bounded() -> Path:
     axes[0].set_title("Peak KV per request (served requests only)")
     axes[0].legend(fontsize=8, loc="center right")
     axes[1].set_title("Prefill time, one request at a time")
-    caps = [("vanilla", _result("session10/concurrent17_0_vanilla_capacity.json")["runs"][0]["capacity"]),
-            ("block-wise KeyDiff 25%", _result("session10/concurrent17_1_evict_capacity.json")["runs"][0]["capacity"])]
+    caps = [("vanilla", _result(CONCURRENT.format("0_vanilla"))["runs"][0]["capacity"]),
+            ("block-wise KeyDiff 25%", _result(CONCURRENT.format("1_evict"))["runs"][0]["capacity"])]
     bars = axes[2].bar([c[0] for c in caps], [c[1] for c in caps], color=["#999999", "#1f77b4"])
     for bar, (_, v) in zip(bars, caps):
         axes[2].text(bar.get_x() + bar.get_width() / 2, v + 0.3, str(v), ha="center")
@@ -173,9 +178,9 @@ def plot_memory_bounded() -> Path:
 
 def plot_soak() -> Path:
     """Issue-18 figure: the 10-minute GPU soak, requests running and KV usage over time for vllm-evict and vanilla
-    on the same 131,072-token pool (H100, session 11: docs/results/session11/load_*.json)."""
-    runs = {"vllm-evict, mixed eviction": (_result("session11/load_evict.json"), "#1f77b4"),
-            "vanilla vLLM": (_result("session11/load_vanilla.json"), "#999999")}
+    on the same 131,072-token pool (H100, 2026-11-25: docs/results/soak/load_*.json)."""
+    runs = {"vllm-evict, mixed eviction": (_result("soak/load_evict_15c583b.json"), "#1f77b4"),
+            "vanilla vLLM": (_result("soak/load_vanilla_15c583b.json"), "#999999")}
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for name, (run, color) in runs.items():
         samples = [x for x in run["samples"] if "running" in x]
