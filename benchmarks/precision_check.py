@@ -1,4 +1,4 @@
-"""SPEC §5 qualification of the window kernels' precision modes (GPU): error against the fp64 reference.
+"""DESIGN.md §5 qualification of the window kernels' precision modes (GPU): error against the fp64 reference.
 
 For each policy with an fp32-operand dot, each n and each input kind (regular: max p ~0.9; peaked: p > 0.99,
 the attention-sink case where d^2 = ||a||^2 + ||v||^2 - 2<a,v> cancels), prints the max relative error of

@@ -414,7 +414,7 @@ def suite_e2e(args, drv: Driver, deadline: float) -> dict:
 def decode_held_tokens(prompt_len: int, max_tokens: int, decode_budget: int, decode_every: int | None = None,
                        page_size: int = 16, protected: int = 0) -> list[int]:
     """KV tokens per head that a request with a decode budget attends over at each of its decode steps
-    j = 1 .. max_tokens-1 (the prefill step samples the first token), under CompactionSchedule's rule (SPEC
+    j = 1 .. max_tokens-1 (the prefill step samples the first token), under CompactionSchedule's rule (DESIGN.md
     §4.8) for a request without prompt eviction and without protect_prompt, uniform allocation (Ada-KV holds
     the same number of pages per head on average). Pure arithmetic: the vanilla engine cannot import vllm_evict;
     tests/bench checks it against CompactionSchedule.

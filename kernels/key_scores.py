@@ -1,15 +1,15 @@
-"""Key-only scores (KeyDiff, K-norm; SPEC §4) in two Triton launches that read the keys at copy bandwidth.
+"""Key-only scores (KeyDiff, K-norm; DESIGN.md §4) in two Triton launches that read the keys at copy bandwidth.
 
 key_scores(policy, keys, lengths=None) -> float32 [H, n] for keys [n, H, D] (bf16/fp16/fp32, unit stride on D,
 any token and head strides: the engine passes a layer group folded into the head axis):
     knorm:   S_j = -||k_j||
     keydiff: S_j = -<mu, k_j> / max(||mu|| ||k_j||, 1e-8),  mu = mean of the head's n keys
-With `lengths` (ragged held sets, SPEC §4.8 a: an integer tensor [H] on the keys' device, 1 <= n_i <= n, not
+With `lengths` (ragged held sets, DESIGN.md §4.8 a: an integer tensor [H] on the keys' device, 1 <= n_i <= n, not
 checked) head i holds keys[:n_i, i]: mu is the mean of those, and its scores are -inf at j >= n_i.
 Everything is fp32. Launch 1 (keydiff only) sums the keys of each head over token blocks into
 [splits, H, D] partials (summed by torch: mu); launch 2 reads each key once more for its dot with mu and
 its norm. The torch reference is the policy's `key_score` (vllm_evict/policies/keydiff.py, knorm.py); the
-sums run in another order, so scores agree to fp32 rounding (SPEC §7.3 near-ties).
+sums run in another order, so scores agree to fp32 rounding (DESIGN.md §7.3 near-ties).
 n and H are runtime values: no prompt length or group size compiles a new variant.
 """
 

@@ -1,4 +1,4 @@
-"""Fused Triton window-scoring kernels (SPEC §5) for the query-based eviction policies.
+"""Fused Triton window-scoring kernels (DESIGN.md §5) for the query-based eviction policies.
 
 Public entry points
 -------------------
@@ -7,23 +7,23 @@ Public entry points
     keys:     [n, H_kv, D] (post-RoPE, as stored in the cache)
     values:   [n, H_kv, D]
     dtype bf16 / fp16 / fp32 (q, k, v the same dtype), CUDA tensors; any strides with a
-    unit stride on D.  Returns the GQA-aggregated raw score raw_j (SPEC §2.3 step 2),
+    unit stride on D.  Returns the GQA-aggregated raw score raw_j (DESIGN.md §2.3 step 2),
     BEFORE pooling / protection, as float32 [H_kv, n].
 
 ``window_scores_batched(policy, q_window, keys, values, ...) -> Tensor[B, H_kv, n] fp32``
     Same with a leading batch axis: q_window [B, w, H_q, D], keys/values [B, n, H_kv, D]
     (every request of the batch has the same n and w).
 
-Both take ``lengths`` (default None): the held counts of ragged held sets (SPEC §4.8 a), an integer
+Both take ``lengths`` (default None): the held counts of ragged held sets (DESIGN.md §4.8 a), an integer
 tensor [H_kv] ([B, H_kv] batched) on the keys' device with w <= n_i <= n (not checked: reading it would
 wait for the device). KV head i then holds keys[:n_i, i] (values alike; padding after them), its window
 row t sits at n_i - w + t, and its scores are -inf at j >= n_i, as in
 ``vllm_evict.policies.reference_raw_window_scores(..., lengths=...)``.
 
-Policies: snapkv, h2o, tova, dropkv, obcache-value, obcache-key, obcache-joint (SPEC §4).
+Policies: snapkv, h2o, tova, dropkv, obcache-value, obcache-key, obcache-joint (DESIGN.md §4).
 GQA: query head h belongs to KV head h // g (g = H_q / H_kv); ``gqa`` is "mean" or "max".
 
-Design (SPEC §5). Per (batch, KV head) the g*w window rows of the group are stacked into
+Design (DESIGN.md §5). Per (batch, KV head) the g*w window rows of the group are stacked into
 M = g*w rows (row m = hg*W_P + t; padded to powers of two, at least 16 rows for tl.dot):
 
 * Kernel A (``_window_fwd_kernel``): FlashAttention-2 style online softmax of the M rows over
@@ -49,7 +49,7 @@ Nothing of size w x n or w x n x d ever reaches HBM; K/V are never repeated for 
 Scratch: a [B*H_kv, M_P, D_P] fp32, LSE [B*H_kv, M_P] fp32 and, with split-K,
 (m, l) [B*H_kv, S, M_P] and acc [B*H_kv, S, M_P, D_P] fp32 (a few MB).
 
-Precision (SPEC §5): dots of two bf16/fp16 operands accumulate in fp32. The dots with an fp32
+Precision (DESIGN.md §5): dots of two bf16/fp16 operands accumulate in fp32. The dots with an fp32
 operand (P·V in kernel A, a·vᵀ in kernel B) must be fp32-accurate. ``precision="auto"`` (default)
 picks ``"bf16x3"`` for bf16 inputs and ``"ieee"`` otherwise:
 
@@ -117,7 +117,7 @@ class WindowScoreConfig:
     """Launch parameters. ``None`` picks the default for the precision (tuned on an H100,
     see kernels/NOTES.md)."""
 
-    precision: str = "auto"  # "auto" (bf16x3 for bf16 inputs, else ieee), "ieee" or "bf16x3" (SPEC §5)
+    precision: str = "auto"  # "auto" (bf16x3 for bf16 inputs, else ieee), "ieee" or "bf16x3" (DESIGN.md §5)
     block_n_a: int | None = None  # key tile of kernel A
     num_warps_a: int | None = None
     num_stages_a: int | None = None
@@ -383,7 +383,7 @@ if _HAS_TRITON:
 
             vis = offs_n[None, :] <= pos[:, None]  # causal + row validity (pos <= n-1)
             z = _dot_qk(q, k, IS_F32) * scale  # natural-log logits, fp32
-            z = tl.where(vis, z, 0.0)  # SPEC §4.4: Z = 0 at masked positions
+            z = tl.where(vis, z, 0.0)  # DESIGN.md §4.4: Z = 0 at masked positions
             p = tl.exp2(z * 1.4426950408889634 - lse2[:, None])
             p = tl.where(vis, p, 0.0)
 
@@ -403,7 +403,7 @@ if _HAS_TRITON:
                 c = p * p * vv[None, :]
             elif POLICY == 5:  # obcache-key
                 c = p * p * z * z * d2
-            else:  # obcache-joint, expanded form of SPEC §4.4
+            else:  # obcache-joint, expanded form of DESIGN.md §4.4
                 zp1 = 1.0 + z
                 j2 = zp1 * zp1 * vv[None, :] - 2.0 * z * zp1 * av + z * z * aa[:, None]
                 if TRACK_PEAK:  # ||(1+z)v - z a||^2 = ||v||^2 - 2z<v, a - v> + z^2 ||a - v||^2
@@ -684,7 +684,7 @@ def window_scores(
     config: WindowScoreConfig | None = None,
     lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Raw window scores of one request (SPEC §2.3 steps 1-2, §4, §5).
+    """Raw window scores of one request (DESIGN.md §2.3 steps 1-2, §4, §5).
 
     q_window [w, H_q, D], keys/values [n, H_kv, D] (bf16/fp16/fp32, CUDA)
     -> float32 [H_kv, n] = GQA-aggregated raw_j before pooling and protection.

@@ -9,7 +9,7 @@ one w x n x d tensor is alive at a time). It is NOT a precision reference (bf16 
 the residual); it exists to time.
 
 The precision reference of the kernels is the policies' own: ``vllm_evict.policies.
-reference_raw_window_scores`` (SPEC §7.2, fp32 with TF32 off, or fp64), which computes each policy's
+reference_raw_window_scores`` (DESIGN.md §7.2, fp32 with TF32 off, or fp64), which computes each policy's
 raw score from its ``head_raw``, so the scores are written once in torch.
 
 Shapes: q_window [w, H_q, D], keys/values [n, H_kv, D]; window row t is position n-w+t;

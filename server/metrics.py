@@ -219,7 +219,7 @@ class EvictMetrics:
                                          "layers and KV heads), per evicted request.", ["policy"])
         self.blocks_freed = counter("eviction_blocks_freed", "KV-cache blocks freed by eviction.", ["policy"])
         self.decode_compactions = counter("decode_compactions", "Decode-time compactions that evicted tokens "
-                                          "(SPEC §4.8 c).", ["policy"])
+                                          "(DESIGN.md §4.8 c).", ["policy"])
         self.decode_evicted_tokens = counter("decode_evicted_tokens", "Tokens evicted by decode-time compactions "
                                              "(average over layers and KV heads).", ["policy"])
         self.compression = histogram("eviction_compression_ratio", "Kept / prompt KV tokens per evicted request.",

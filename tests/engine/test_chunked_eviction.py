@@ -1,4 +1,4 @@
-"""Block-wise eviction during prefill (keydiff chunked=true, SPEC §4.3) inside vLLM 0.26 on CPU:
+"""Block-wise eviction during prefill (keydiff chunked=true, DESIGN.md §4.3) inside vLLM 0.26 on CPU:
 * tokens equal an independent torch reference that runs the same chunked schedule, in a mixed batch;
 * a request never holds more than P + chunk/page_size blocks (and so is admitted for that);
 * requests whose prompts together overflow the KV pool run side by side, without preemption, where the

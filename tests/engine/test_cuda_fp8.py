@@ -2,7 +2,7 @@
 
 * Compaction of fp8 caches: scoring reads the cache dequantized (each layer's bytes times its scale) and
   fp8 window queries dequantized with their scale; the kept sets equal the torch reference's on those same
-  dequantized values (CPU, up to SPEC §7.3's near ties); the kept tokens move as the cache's own bytes.
+  dequantized values (CPU, up to DESIGN.md §7.3's near ties); the kept tokens move as the cache's own bytes.
 * The engine with `kv_cache_dtype="fp8"`: a 100% budget (uniform: the stock layout; Ada-KV: the per-head
   path) and a decode budget covering the sequence give the tokens of the same fp8 engine without eviction;
   every policy at a 10% budget, one-shot, block-wise and decode-time, runs to its length and frees blocks."""

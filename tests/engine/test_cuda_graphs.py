@@ -37,7 +37,7 @@ CASES = [None, {"policy": "dropkv", "budget": 0.25}, {"policy": "streaming", "bu
          {"policy": "snapkv", "budget": 0.25, "allocation": "adakv"}, None,
          {"policy": "keydiff", "budget": 0.2, "allocation": "adakv"}, {"policy": "snapkv", "budget": 0.2},
          {"policy": "keydiff", "budget": 96, "chunked": True, "chunk_size": 64},  # block-wise, in place
-         # decode-time eviction (SPEC §4.8): its window captures and compactions run in per-head FULL graphs
+         # decode-time eviction (DESIGN.md §4.8): its window captures and compactions run in per-head FULL graphs
          {"policy": "keydiff", "decode_budget": 64, "decode_every": 16},
          {"policy": "random", "budget": 0.25, "decode_budget": 48, "decode_every": 32, "protect_prompt": True},
          {"policy": "snapkv", "decode_budget": 64, "decode_every": 32},

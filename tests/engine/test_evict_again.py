@@ -1,4 +1,4 @@
-"""Evicting again (SPEC §4.8) inside vLLM 0.26 on CPU: decode-time eviction (`decode_budget`), block-wise
+"""Evicting again (DESIGN.md §4.8) inside vLLM 0.26 on CPU: decode-time eviction (`decode_budget`), block-wise
 prefill for every policy (`chunked=true`) and the `random` policy, against the independent torch reference
 that replays the same compaction points (`ReferenceDecoder.replay`):
 * tokens and logprobs equal the reference for every policy, with and without protect_prompt, with and
@@ -48,7 +48,7 @@ def check_cases(engine, reference, prompt: list[int], cases: list[dict], max_tok
     for case, out in zip(cases, outputs[1:-1]):
         expected = reference.replay(prompt, max_tokens, spec_of(case), page_size=PAGE)
         if expected.near_ties and list(out.outputs[0].token_ids) != expected.token_ids:
-            tie_decided.append(case)  # SPEC §7.3: a kept set decided by rounding may differ
+            tie_decided.append(case)  # DESIGN.md §7.3: a kept set decided by rounding may differ
             continue
         check_against_reference(out, expected, str(case))
         report = out.kv_transfer_params["vllm_evict"]
@@ -97,7 +97,7 @@ def test_prompt_and_decode_eviction_in_one_request(engine, reference):
 
 
 def test_every_policy_evicts_block_wise_while_prefilling(engine, reference):
-    """chunked=true for every policy (SPEC §4.8 b): the chunk ends past P pages compact what each head holds,
+    """chunked=true for every policy (DESIGN.md §4.8 b): the chunk ends past P pages compact what each head holds,
     window queries included (a 16-token chunk is smaller than most windows: the window spans chunks)."""
     from vllm_evict.engine.request_config import eviction_points
 
@@ -115,7 +115,7 @@ def test_every_policy_evicts_block_wise_while_prefilling(engine, reference):
 
 
 def test_adakv_evicts_again_over_uneven_heads(engine, reference):
-    """Ada-KV (SPEC §4.8 a): after a point every head holds its own number of tokens, in per-head pages; each
+    """Ada-KV (DESIGN.md §4.8 a): after a point every head holds its own number of tokens, in per-head pages; each
     later point scores those uneven held sets and allocates over them. Decode budgets for every policy, with
     a one-shot or block-wise prompt eviction first, with protect_prompt, next to a uniform request."""
     prompt = random_prompt(65, 260)
@@ -266,7 +266,7 @@ def test_requests_at_one_point_compact_together(engine, reference, monkeypatch):
     for (prompt, case), out in zip(requests, outputs):
         expected = reference.replay(prompt, MAX_TOKENS, spec_of(case), page_size=PAGE)
         if expected.near_ties and list(out.outputs[0].token_ids) != expected.token_ids:
-            tie_decided.append(case)  # SPEC §7.3
+            tie_decided.append(case)  # DESIGN.md §7.3
             continue
         check_against_reference(out, expected, f"{case} on prompt {prompts.index(prompt)}")
     assert len(tie_decided) <= 1, tie_decided

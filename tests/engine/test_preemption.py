@@ -130,7 +130,7 @@ def random_schedule(seed: int, num_requests: int = 8):
 
 
 def near_tie(reference, prompt, config, rel=1e-5) -> bool:
-    """Whether the reference's selection for this prompt has a near-tie at a kept/evicted boundary (SPEC
+    """Whether the reference's selection for this prompt has a near-tie at a kept/evicted boundary (DESIGN.md
     §7.3): the engine's fp32 keys differ from the HF reference's in the last bits, so such a kept set may
     legitimately differ (one seed of a 30-seed soak had a 1e-7 relative gap in K-norm)."""
     from vllm_evict.policies import allocate_pages, kept_counts, score_tokens

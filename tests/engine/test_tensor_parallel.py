@@ -63,7 +63,7 @@ def test_uniform_policies_match_reference_in_one_mixed_batch(engine, reference):
 
 
 def test_decode_time_eviction_matches_the_reference_at_tp2(engine, reference):
-    """Decode-time eviction (SPEC §4.8) under TP: each rank compacts its own heads at the same points; the
+    """Decode-time eviction (DESIGN.md §4.8) under TP: each rank compacts its own heads at the same points; the
     random policy hashes the global KV head index (rank 1's head is head 1, not its local head 0), so the
     tokens equal the TP=1 reference's replay."""
     from vllm_evict.engine.request_config import parse_request
@@ -82,7 +82,7 @@ def test_decode_time_eviction_matches_the_reference_at_tp2(engine, reference):
 
 
 def test_adakv_allocates_over_all_heads_as_at_tp1(engine, reference):
-    """Ada-KV under TP allocates each layer's P*H_kv pages over all H_kv heads (SPEC §3.4), as TP=1 does:
+    """Ada-KV under TP allocates each layer's P*H_kv pages over all H_kv heads (DESIGN.md §3.4), as TP=1 does:
     the ranks all-gather their heads' scores. Here each rank holds one of the 2 KV heads, so a rank-local
     allocation would be the uniform one; the reference's Ada-KV keeps different counts per head, and the
     tokens must equal it. The block pool is back at idle afterwards."""

@@ -1,5 +1,5 @@
 """The engine-start warm-up runs the engine's own compaction path (worker.compact_one) for every policy and
-allocation: every layer of every state is compacted to P pages per head on average (SPEC §3), on the CPU
+allocation: every layer of every state is compacted to P pages per head on average (DESIGN.md §3), on the CPU
 backend's cache adapter (the CUDA one runs in the GPU engine tests)."""
 
 from __future__ import annotations

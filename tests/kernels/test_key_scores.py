@@ -2,7 +2,7 @@
 
 CPU (CI): the kernels in the Triton interpreter (subprocess), fp32 and fp16, small shapes with a partial
 last block. GPU (``-m gpu``): the compiled kernels, bf16, engine-like shapes (a layer group folded into
-the head axis, strided views) up to 32K tokens. Both also over ragged held sets (SPEC §4.8 a: head i holds
+the head axis, strided views) up to 32K tokens. Both also over ragged held sets (DESIGN.md §4.8 a: head i holds
 its first n_i keys): each head against the reference over its held keys, -inf in the padding. Scores agree
 to fp32 rounding (the sums run in another order): |S_tri - S_ref| <= 1e-5 * max(1, |S_ref|) elementwise;
 kept sets then match up to near-ties."""

@@ -1,13 +1,13 @@
 """Tests of the window-scoring kernels (kernels/window_scores.py) and their torch reference.
 
-CPU (CI): the reference against SPEC §7.4 worked example A, and the Triton kernels run by the
+CPU (CI): the reference against DESIGN.md §7.4 worked example A, and the Triton kernels run by the
 Triton interpreter (TRITON_INTERPRET=1, subprocess, fp16/fp32 small shapes, ragged held sets too)
 against the reference.
 GPU (``-m gpu``, skipped without CUDA): kernel vs reference on fresh random bf16 inputs, every
 epilogue, n in {1000, 1024, 8191, 8192, 32768}, GQA 32/8, head_dim 128 and 64, gqa mean/max:
-elementwise |S_tri - S_ref| <= 1e-3*|S_ref| + 1e-30 (SPEC §7.3), outputs poisoned with NaN
+elementwise |S_tri - S_ref| <= 1e-3*|S_ref| + 1e-30 (DESIGN.md §7.3), outputs poisoned with NaN
 before each run, and kept sets after pooling / protection / stable selection equal up to the
-SPEC §7.3 near-tie rule; and over ragged held sets (SPEC §4.8 a: per-head `lengths`), -inf in
+DESIGN.md §7.3 near-tie rule; and over ragged held sets (DESIGN.md §4.8 a: per-head `lengths`), -inf in
 the padding.
 """
 
@@ -30,7 +30,7 @@ from vllm_evict.policies import reference_raw_window_scores as window_scores_ref
 
 REPO = Path(__file__).resolve().parents[2]
 
-# SPEC §4 defaults: policy -> (w, kappa)
+# DESIGN.md §4 defaults: policy -> (w, kappa)
 DEFAULTS = {
     "snapkv": (32, 7),
     "h2o": (32, 1),
@@ -43,7 +43,7 @@ DEFAULTS = {
 
 
 # ---------------------------------------------------------------------------------------------
-# local SPEC §2.3 / §3 / §7.1 helpers (pooling, protection, uniform pages, stable selection)
+# local DESIGN.md §2.3 / §3 / §7.1 helpers (pooling, protection, uniform pages, stable selection)
 # ---------------------------------------------------------------------------------------------
 def pool_protect(raw: torch.Tensor, *, kappa: int, w: int, sink: int = 0) -> torch.Tensor:
     """raw [H, n] -> S [H, n]: max-pool (kernel kappa, stride 1, -inf padding), +inf on sink/window."""
@@ -71,7 +71,7 @@ def select(S: torch.Tensor, K: int) -> list[set[int]]:
 
 
 def assert_kept_sets_match(S_tri: torch.Tensor, S_ref: torch.Tensor, K: int) -> int:
-    """SPEC §7.3: identical kept sets except indices within the near-tie band of tau. Returns #ties."""
+    """DESIGN.md §7.3: identical kept sets except indices within the near-tie band of tau. Returns #ties."""
     kept_tri, kept_ref = select(S_tri, K), select(S_ref, K)
     ties = 0
     for h, (a, b) in enumerate(zip(kept_tri, kept_ref)):
@@ -88,7 +88,7 @@ def assert_kept_sets_match(S_tri: torch.Tensor, S_ref: torch.Tensor, K: int) -> 
 
 
 # ---------------------------------------------------------------------------------------------
-# SPEC §7.4 worked example A (CPU)
+# DESIGN.md §7.4 worked example A (CPU)
 # ---------------------------------------------------------------------------------------------
 def example_a(dtype=torch.float64):
     K = torch.tensor([(-1, 1), (0, 1), (2, 0), (1, 2), (-1, -1), (0, 1), (0, 0), (-2, -2), (0, -1), (-2, 0)],
@@ -153,7 +153,7 @@ def test_reference_example_a_dropkv_gqa_max():
 
 
 def test_reference_example_a_intermediates_head0():
-    """SPEC §7.4 head-0 attention rows via h2o with g=1 (sum over t) and tova (last row)."""
+    """DESIGN.md §7.4 head-0 attention rows via h2o with g=1 (sum over t) and tova (last row)."""
     q, K, V = example_a()
     q0 = q[:, :1]  # head 0 only
     tova = window_scores_reference("tova", q0, K, V, dtype=torch.float64)[0]
@@ -373,8 +373,8 @@ def test_kernel_batched_and_strided(policy):
 @pytest.mark.parametrize("gqa", ["mean", "max"])
 @pytest.mark.parametrize("policy", WINDOW_POLICIES)
 def test_kernel_ragged_held_sets(policy, gqa):
-    """SPEC §4.8 a: a batch of 2 requests whose 8 KV heads hold different numbers of keys (padding after them,
-    large finite values): each head's scores equal the reference's over its held keys (SPEC §7.3), -inf in the
+    """DESIGN.md §4.8 a: a batch of 2 requests whose 8 KV heads hold different numbers of keys (padding after them,
+    large finite values): each head's scores equal the reference's over its held keys (DESIGN.md §7.3), -inf in the
     padding, and its kept sets match up to near-ties. The smallest head holds w + 5 keys (with n_i = w, window
     row 0 sees key 0 alone: p = 1, where no fp32 dropkv score is accurate, see test_dropkv_peaked_attention)."""
     w, kappa = DEFAULTS[policy]
@@ -440,7 +440,7 @@ def _max_p(q, k):
 def test_dropkv_peaked_attention(n, precision):
     """Attention sinks with p > 0.99. dropkv's weight (p/(1-p))^2 has condition number 2p/(1-p)
     in z: one fp32 ulp of z (1.9e-6 at z ~ 18) moves it by ~1.6e-3 relative at p = 0.9976, so no
-    fp32 implementation (the reference included) can meet the 1e-3 rule there. Checked: the SPEC
+    fp32 implementation (the reference included) can meet the 1e-3 rule there. Checked: the DESIGN.md
     rule where max_t p_j <= 0.9, a conditioning-scaled bound elsewhere, and the kept sets. Here
     d^2 = ||a||^2 + ||v||^2 - 2<a,v> cancels; the bf16x3 default (tensor-core accumulation) passes
     only with the exact d^2 of each row's peak key (on an H100 without it: 1.8x the bound at 32K)."""
@@ -467,7 +467,7 @@ def test_dropkv_peaked_attention(n, precision):
 @pytest.mark.parametrize("policy", ["dropkv", "obcache-key", "obcache-joint"])
 @pytest.mark.parametrize("heavy", [0.5, 1.5])
 def test_default_precision_qualifies(policy, heavy):
-    """SPEC §5: the default emulation (bf16x3 for bf16 inputs) qualifies when its error against the
+    """DESIGN.md §5: the default emulation (bf16x3 for bf16 inputs) qualifies when its error against the
     fp64 reference is no worse than the IEEE path's, on regular and on peaked inputs (margin 1.5x,
     for rounding noise between two fp32-accurate results)."""
     from vllm_evict.kernels.window_scores import WindowScoreConfig

@@ -1,4 +1,4 @@
-"""Shared inputs for the policy tests: SPEC §7.4 worked example A and random GQA tensors."""
+"""Shared inputs for the policy tests: DESIGN.md §7.4 worked example A and random GQA tensors."""
 
 from __future__ import annotations
 

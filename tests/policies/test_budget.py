@@ -1,4 +1,4 @@
-"""SPEC §3: budget parsing, pages, uniform and Ada-KV allocation (incl. the literal page-rounding loop)."""
+"""DESIGN.md §3: budget parsing, pages, uniform and Ada-KV allocation (incl. the literal page-rounding loop)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_num_pages_rules():
 
 
 def literal_round(x, total, p_min, p_max):
-    """SPEC §3.4 step 3, one page at a time; p_max is an int, or one per head (ragged held sets, §4.8 a)."""
+    """DESIGN.md §3.4 step 3, one page at a time; p_max is an int, or one per head (ragged held sets, §4.8 a)."""
     p_max = [p_max] * len(x) if isinstance(p_max, int) else p_max
     p = [min(max(math.floor(xi), p_min), pm) for xi, pm in zip(x, p_max)]
     while sum(p) < total:
@@ -154,7 +154,7 @@ def test_adakv_respects_p_max():
 
 
 def literal_adakv(s, budget, bs, alpha, r):
-    """SPEC §3.4 one head-page at a time, in plain Python (pages per head of one layer)."""
+    """DESIGN.md §3.4 one head-page at a time, in plain Python (pages per head of one layer)."""
     h, n = s.shape
     P = num_pages(n, budget, bs, r)
     if P is None:

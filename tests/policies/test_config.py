@@ -131,12 +131,12 @@ def test_from_dict_accepts_valid_edge_values():
     assert EvictionConfig.from_dict({"policy": "snapkv", "budget": 1.0}).budget == 1.0
     assert EvictionConfig.from_dict({"policy": "keydiff", "budget": 16, "window": 0}).window == 0
     assert EvictionConfig.from_dict({"policy": "keydiff", "budget": 16, "chunked": True}).chunked
-    # SPEC §4.8: block-wise eviction for every policy (uniform allocation in this version)
+    # DESIGN.md §4.8: block-wise eviction for every policy (uniform allocation in this version)
     assert all(EvictionConfig.from_dict({"policy": p, "budget": 16, "chunked": True}).chunked for p in POLICIES)
     assert EvictionConfig.from_dict({"policy": "random", "budget": 16, "seed": -3}).seed == -3
     assert EvictionConfig.from_dict({"policy": "snapkv", "budget": 0.5, "alpha": 0}).alpha == 0.0
     assert EvictionConfig.from_dict({"policy": "snapkv", "budget": 0.5, "pool_kernel": 1}).pool_kernel == 1
-    # streaming ignores adakv (SPEC §3.4): stored as uniform
+    # streaming ignores adakv (DESIGN.md §3.4): stored as uniform
     assert EvictionConfig.from_dict({"policy": "streaming", "budget": 64, "allocation": "adakv"}).allocation == "uniform"
     with pytest.raises(ValueError):
         EvictionConfig(policy="snapkv", budget=2.0)  # direct construction is validated too

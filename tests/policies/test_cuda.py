@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def near_tie_ok(ref, mask_a, mask_b, kept):
-    """SPEC §7.3: kept sets equal except at entries within 1e-3 relative of the K-th largest reference score."""
+    """DESIGN.md §7.3: kept sets equal except at entries within 1e-3 relative of the K-th largest reference score."""
     for i in range(ref.shape[0]):
         diff = (mask_a[i] ^ mask_b[i]).nonzero().flatten()
         if len(diff) == 0:
@@ -49,7 +49,7 @@ def test_cuda_matches_cpu_with_tf32_requested(policy):
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_ragged_held_sets_on_cuda_match_cpu(policy):
-    """SPEC §4.8 a on CUDA (lengths on the device): scores as on the CPU, -inf in the same padding, and the
+    """DESIGN.md §4.8 a on CUDA (lengths on the device): scores as on the CPU, -inf in the same padding, and the
     same pages and kept sets when the pages agree."""
     q, k, v = random_qkv(n=500, w=16, h_kv=4, g=4, d=64, seed=41, dtype=torch.bfloat16)
     lengths = torch.tensor([500, 16, 301, 130])
@@ -108,7 +108,7 @@ def test_engine_allocation_never_waits_for_the_device():
         torch.cuda.set_sync_debug_mode("default")
     want = allocate_pages(scores, 320, allocation="adakv", page_size=16, pages=20)
     assert torch.equal(got.cpu(), want)
-    # over ragged held sets (SPEC §4.8 a) too, the padding at -inf as score_tokens leaves it
+    # over ragged held sets (DESIGN.md §4.8 a) too, the padding at -inf as score_tokens leaves it
     lengths = torch.randint(32, 2001, (4, 8), generator=gen)
     lengths[0, 0] = 2000
     ragged = torch.where(torch.arange(2000) < lengths.unsqueeze(-1), scores, float("-inf"))

@@ -1,4 +1,4 @@
-"""SPEC §7.1, §7.4 (worked example A) and §7.5 (worked example B)."""
+"""DESIGN.md §7.1, §7.4 (worked example A) and §7.5 (worked example B)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hand-checkable cases per policy, and the torch reference against a literal float64 transcription of SPEC §4."""
+"""Hand-checkable cases per policy, and the torch reference against a literal float64 transcription of DESIGN.md §4."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def kept(row):
 
 # ---------------------------------------------------------------- literal reference (float64, loops)
 def literal_raw(policy, q, k, v, scale, gqa="mean"):
-    """raw [H_kv, n] straight from the SPEC §4 table, per (query head, window row), in float64."""
+    """raw [H_kv, n] straight from the DESIGN.md §4 table, per (query head, window row), in float64."""
     q, k, v = q.double(), k.double(), v.double()
     w, h_q, _ = q.shape
     n, h_kv, _ = k.shape
@@ -88,7 +88,7 @@ def test_registry_names_and_defaults():
         "snapkv", "dropkv", "keydiff", "obcache-value", "obcache-key", "obcache-joint",
         "caote", "fastcaote", "streaming", "tova", "h2o", "knorm", "random",
     }
-    table = {  # SPEC §4: (w, kappa, sink)
+    table = {  # DESIGN.md §4: (w, kappa, sink)
         "snapkv": (32, 7, 0), "dropkv": (8, 11, 0), "keydiff": (0, 1, 0), "obcache-value": (32, 7, 0),
         "obcache-key": (32, 7, 0), "obcache-joint": (32, 7, 0), "streaming": (0, 1, 4), "tova": (1, 1, 0),
         "h2o": (32, 1, 0), "knorm": (0, 1, 0), "random": (0, 1, 0),
@@ -306,7 +306,7 @@ def test_kernel_support_is_declared_by_the_registry():
 
 
 def test_random_scores_are_the_spec_hash_of_where_each_token_sits():
-    """SPEC §4.8 e: S_j = h(h(h(h(h(j) ^ c) ^ i) ^ l) ^ s) / 2^32, h the 32-bit hash, from the original
+    """DESIGN.md §4.8 e: S_j = h(h(h(h(h(j) ^ c) ^ i) ^ l) ^ s) / 2^32, h the 32-bit hash, from the original
     position j, compaction index c, global KV head i, layer l and seed s mod 2^32 (here in plain Python)."""
     from vllm_evict.policies.random import TokenContext
 

@@ -1,6 +1,6 @@
-"""Ragged held sets (SPEC §4.8 a): every policy scores and selects over heads holding different numbers of
+"""Ragged held sets (DESIGN.md §4.8 a): every policy scores and selects over heads holding different numbers of
 tokens (padded tensors + `lengths`) exactly as over each head alone; Ada-KV and uniform allocation over the
-held scores against a brute-force transcription of SPEC §3.4 over per-head Python lists."""
+held scores against a brute-force transcription of DESIGN.md §3.4 over per-head Python lists."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_scores_over_ragged_heads_are_each_head_alone(policy, options):
 
 
 def brute_force_budget(per_head: list[list[float]], budget, bs: int) -> tuple[int, int]:
-    """(P, p_min) of SPEC §3.2 for held sets: a ratio budget reads the longest held set; r = most +inf per head."""
+    """(P, p_min) of DESIGN.md §3.2 for held sets: a ratio budget reads the longest held set; r = most +inf per head."""
     r = max(sum(s == INF for s in row) for row in per_head)
     longest = max(len(row) for row in per_head)
     b_tok = budget if isinstance(budget, int) else max(1, math.floor(budget * longest + 1e-6))
@@ -82,7 +82,7 @@ def brute_force_budget(per_head: list[list[float]], budget, bs: int) -> tuple[in
 
 
 def brute_force_pages(per_head: list[list[float]], budget, bs: int, alpha: float, allocation: str) -> list[int]:
-    """SPEC §3.4 over held sets (§4.8 a) in plain Python, from each head's held scores: uniform min(P, p_max,i),
+    """DESIGN.md §3.4 over held sets (§4.8 a) in plain Python, from each head's held scores: uniform min(P, p_max,i),
     or Ada-KV's global top-B over the held entries in (head, position) order, safeguard and page rounding with
     per-head p_max,i."""
     h = len(per_head)
@@ -103,7 +103,7 @@ def brute_force_pages(per_head: list[list[float]], budget, bs: int, alpha: float
 
 
 def brute_force_kept(per_head: list[list[float]], pages: list[int], bs: int) -> list[list[int]]:
-    """Each head's min(n_i, p_i*bs) best held positions, equal scores: lower position first (SPEC §7.1)."""
+    """Each head's min(n_i, p_i*bs) best held positions, equal scores: lower position first (DESIGN.md §7.1)."""
     return [sorted(sorted(range(len(row)), key=lambda j: (-row[j], j))[:min(len(row), p * bs)])
             for row, p in zip(per_head, pages)]
 
@@ -119,7 +119,7 @@ def kept_lists(mask: torch.Tensor) -> list[list[int]]:
 @pytest.mark.parametrize("allocation", ["uniform", "adakv"])
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_selection_over_ragged_heads_matches_brute_force(policy, allocation):
-    """select_tokens / allocate_pages over every policy's ragged scores = SPEC §3.4 over the per-head held
+    """select_tokens / allocate_pages over every policy's ragged scores = DESIGN.md §3.4 over the per-head held
     scores; the padding is never kept; uniform keeps min(n_i, P*bs) per head."""
     for seed in range(4):
         rng = random.Random(100 + seed)

@@ -81,7 +81,7 @@ def test_vllm_xargs_strings_are_typed_like_the_engine_types_them(monkeypatch):
 
 
 def test_decode_fields_reach_the_engine_with_or_without_a_prompt_budget():
-    """SPEC §4.8 c: a decode budget alone (the prompt is not evicted) or next to a prompt eviction; flat
+    """DESIGN.md §4.8 c: a decode budget alone (the prompt is not evicted) or next to a prompt eviction; flat
     vllm_xargs keys are typed like the nested ones."""
     from vllm_evict.engine.request_config import flat_request, parse_request
 
@@ -92,7 +92,7 @@ def test_decode_fields_reach_the_engine_with_or_without_a_prompt_budget():
                                                 "decode_every": 100, "protect_prompt": True, "seed": 9}, {})))
     assert (both.decode_tokens(16), both.protect_prompt, both.config.seed) == (112, True, 9)  # whole pages
     for adakv in ({"budget": 0.2, "chunked": True}, {"budget": 0.2, "decode_budget": 256},
-                  {"decode_budget": 256, "protect_prompt": True}):  # Ada-KV evicts again too (SPEC §4.8)
+                  {"decode_budget": 256, "protect_prompt": True}):  # Ada-KV evicts again too (DESIGN.md §4.8)
         spec = parse_request(to_extra_args(resolve({"policy": "snapkv", "allocation": "adakv", **adakv}, {})))
         assert spec.config.allocation == "adakv" and (spec.config.chunked or spec.decode_budget == 256)
     flat = flat_request({"eviction_policy": "dropkv", "eviction_decode_budget": "256",

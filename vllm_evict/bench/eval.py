@@ -6,7 +6,7 @@ in one ``llm.generate`` call, each request carrying
 
 * budget 1.0 is the full-cache baseline, run once (no eviction parameters at all) and shared by both
   variants (the token sequences are identical);
-* ``streaming`` ignores ``adakv`` (SPEC §3.4), so only its uniform setting is run;
+* ``streaming`` ignores ``adakv`` (DESIGN.md §3.4), so only its uniform setting is run;
 * ``aware`` evicts at the end of the prompt; ``agnostic`` asks the engine to evict after the context,
   ``evict_at = n_context`` prompt tokens, and the question is prefilled against the compressed cache.
   If the engine rejects ``evict_at`` (or accepts it without confirming it in the eviction report), the
@@ -51,7 +51,7 @@ UNIFORM_ONLY = tuple(name for name, policy in POLICIES.items() if not policy.sup
 def parse_policy(name: str) -> tuple[str, dict[str, Any]]:
     """``"snapkv:window=8,pool_kernel=11"`` -> ``("snapkv", {"window": 8, "pool_kernel": 11})``.
 
-    Options are SPEC §6 request fields (window, pool_kernel, sink, gqa, alpha, caote_base, chunked);
+    Options are DESIGN.md §6 request fields (window, pool_kernel, sink, gqa, alpha, caote_base, chunked);
     values are parsed as int, float, true/false, else kept as strings.
     """
     base, _, opts = name.partition(":")

@@ -11,7 +11,7 @@ compacted request is a stock request whose positions are shifted by E - P*page_s
 Tokens after the eviction point go to head h's slot of the tail blocks (the blocks after the F fresh
 ones), continuing after the head's kept tokens.
 
-Ada-KV under tensor parallelism allocates a layer's P*H_kv pages over all H_kv heads (SPEC §3.4), as at
+Ada-KV under tensor parallelism allocates a layer's P*H_kv pages over all H_kv heads (DESIGN.md §3.4), as at
 TP=1: the ranks all-gather their heads' scores and each takes its own heads' counts (KVHeadGroup). A
 rank's heads may then win more than P*H pages, up to min(P*H_kv, H*ceil(E/page_size)); the scheduler
 reserves F = min(P*H_kv/H, ceil(E/page_size)) fresh blocks for such a request so that every rank fits
@@ -22,7 +22,7 @@ scheduler frees the other F - F' (worker.py).
 Compaction runs once per step, after the model forward (worker.py), over all layers of a request:
 layers are folded into the head axis (layer-major: head l*H + h), so one scoring call, one selection
 and one slot computation serve a group of layers; a group's gathered prompt KV is bounded by
-GROUP_BYTES. Everything, Ada-KV's exact page rounding (SPEC §3.4) included, runs on the cache's device
+GROUP_BYTES. Everything, Ada-KV's exact page rounding (DESIGN.md §3.4) included, runs on the cache's device
 without host synchronisation.
 """
 
@@ -124,7 +124,7 @@ def select_group(config: EvictionConfig, q_window: torch.Tensor | None, keys: to
     and window queries [w, L*Hq, D] of L layers folded into the head axis (layer-major); `heads`: where
     these H heads sit among the layer's (Ada-KV allocates over all of them); `options`: score_tokens
     options (default: the config's); `context`: where the tokens sit (the random policy); `lengths` [L*H]:
-    each head's candidates, the first lengths[i] of its E (None: all E; SPEC §4.8 a's uneven held sets)."""
+    each head's candidates, the first lengths[i] of its E (None: all E; DESIGN.md §4.8 a's uneven held sets)."""
     options = config.score_options() if options is None else options
     scores = score_tokens(config.policy, q_window, keys, values, scale=scale, context=context, lengths=lengths,
                           **options)
@@ -213,7 +213,7 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     requests: (state, prompt_blocks, fresh_blocks) each: the worker's WorkerEviction and the blocks read /
     written, on the cache's device; the written blocks may be the first read ones (compaction in place):
     each group is gathered whole before it is written. A request already in per-head (Ada-KV) layout is
-    gathered head by head: each head holds its own count (SPEC §4.8 a), padded to the batch's largest.
+    gathered head by head: each head holds its own count (DESIGN.md §4.8 a), padded to the batch's largest.
     layers: (layer index, paged cache adapter) in layer order. heads: this rank's KV heads among the
     layer's (tensor parallelism).
     Fills each state.layers. Returns, for Ada-KV under TP (one request), the fresh blocks F' <= F that the

@@ -1,5 +1,5 @@
 """A request's eviction parameters as the API process resolves them and the engine reads them, and the
-compaction points they give (SPEC §4.8).
+compaction points they give (DESIGN.md §4.8).
 
 The API process resolves a request once (`resolve_request`, canonical nested form in
 `extra_args["vllm_evict"]`). The scheduler parses it when the request arrives, derives the eviction point
@@ -24,8 +24,8 @@ EXTRA_ARGS_KEY = "vllm_evict"
 # chunk of block-wise eviction in tokens (whole pages); F: the fresh blocks a one-shot compaction writes
 # (scheduler.plan_eviction); n: the prompt length.
 PLAN_KEY = "vllm_evict_plan"
-DEFAULT_CHUNK_SIZE = 128  # SPEC §4.3: the paper's block size
-DEFAULT_DECODE_EVERY = 128  # SPEC §4.8 c
+DEFAULT_CHUNK_SIZE = 128  # DESIGN.md §4.3: the paper's block size
+DEFAULT_DECODE_EVERY = 128  # DESIGN.md §4.8 c
 MAX_CHUNK_SIZE = 1 << 20
 # Engine-level default for requests that say nothing (e.g. `{"policy": "snapkv", "budget": 0.2}` as JSON).
 DEFAULT_ENV = "VLLM_EVICT_DEFAULT"
@@ -41,8 +41,8 @@ def long_prompts_allowed() -> bool:
 class RequestEviction:
     """What one request asked for. `evict_at` = tokens of the prompt prefix to compress (None = whole prompt):
     the rest of the prompt (e.g. a question) is prefilled after eviction and attends to the kept cache.
-    `chunk_size` (only with chunked=true, SPEC §4.3): prompt tokens per chunk of block-wise eviction.
-    `decode_budget` K_d, `decode_every` C_d, `protect_prompt` (SPEC §4.8 c): evict again while decoding."""
+    `chunk_size` (only with chunked=true, DESIGN.md §4.3): prompt tokens per chunk of block-wise eviction.
+    `decode_budget` K_d, `decode_every` C_d, `protect_prompt` (DESIGN.md §4.8 c): evict again while decoding."""
 
     config: EvictionConfig
     evict_at: int | None = None
@@ -58,7 +58,7 @@ class RequestEviction:
         return -(-(self.decode_every or DEFAULT_DECODE_EVERY) // page_size) * page_size
 
     def check_page_size(self, page_size: int) -> None:
-        """The checks that need the engine's page size (SPEC §6: decode_budget >= bs)."""
+        """The checks that need the engine's page size (DESIGN.md §6: decode_budget >= bs)."""
         if self.decode_budget is not None and self.decode_budget < page_size:
             raise ValueError(f"decode_budget must be at least the page size ({page_size} tokens), "
                              f"got {self.decode_budget}")
@@ -93,7 +93,7 @@ class RequestEviction:
 def eviction_points(evict_at: int, pages: int, page_size: int, chunk: int) -> list[int]:
     """The prompt positions at which a request compacts, in order; the last is E.
 
-    One-shot (chunk 0): [E]. Block-wise (SPEC §4.3): the prompt runs in chunks of `chunk` tokens, and a
+    One-shot (chunk 0): [E]. Block-wise (DESIGN.md §4.3): the prompt runs in chunks of `chunk` tokens, and a
     chunk end at which the request holds more than P pages compacts it back to P pages: the first chunk
     end past P*page_size, every chunk end after it (P pages plus a chunk), and E."""
     if not chunk:
@@ -104,7 +104,7 @@ def eviction_points(evict_at: int, pages: int, page_size: int, chunk: int) -> li
 
 @dataclass(frozen=True)
 class Point:
-    """One compaction point of a request (SPEC §4.8 d). Counts are per head under uniform allocation; under
+    """One compaction point of a request (DESIGN.md §4.8 d). Counts are per head under uniform allocation; under
     Ada-KV they are the averages the blocks follow (each head holds its own number, compaction.py), and
     `kept` is whole pages, since the per-head layout fills whole blocks."""
 
@@ -125,7 +125,7 @@ class Point:
 
 
 class CompactionSchedule:
-    """Where a request compacts and what each head holds (SPEC §4.8): prompt points (one-shot at E, or
+    """Where a request compacts and what each head holds (DESIGN.md §4.8): prompt points (one-shot at E, or
     block-wise), then a decode point every C_d generated tokens (none without a decode budget). The
     scheduler and the workers walk the same schedule; `point(c)` extends it lazily (decode points never end)."""
 

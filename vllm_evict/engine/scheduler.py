@@ -22,7 +22,7 @@ Life of an evicting request, as the scheduler sees it:
    (positions and RoPE stay semantic on the worker) and never hashes its blocks again.
 Preemption frees everything; the recompute evicts again at the same point.
 
-Evicting again (SPEC §4.8): block-wise eviction (chunked=true) and decode-time eviction (decode_budget)
+Evicting again (DESIGN.md §4.8): block-wise eviction (chunked=true) and decode-time eviction (decode_budget)
 repeat step 3 at every point of the request's CompactionSchedule and compact in place: the kept tokens
 are written into the request's first blocks (the worker gathers the held tokens into a buffer first) and
 the rest are freed. A request whose first compaction is in place takes no prefix hits and caches nothing,

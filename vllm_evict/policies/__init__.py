@@ -1,4 +1,4 @@
-"""Engine-free eviction policies (SPEC v1): scoring, budgets, Ada-KV allocation, selection (pure torch).
+"""Engine-free eviction policies (docs/DESIGN.md): scoring, budgets, Ada-KV allocation, selection (pure torch).
 
 Public API
   score_tokens(policy, q_window, keys, values, *, lengths, **options) -> float32 [H_kv, n]   (larger = keep, +inf
@@ -7,7 +7,7 @@ Public API
   allocate_pages(scores, budget, *, allocation, page_size, alpha, lengths) -> int64 [H_kv] (CPU; pages per head)
   num_pages(n, budget, page_size, protected) -> int | None                    (P, None = nothing evicted)
   raw_window_scores(policy, q_window, keys, values, *, scale, gqa, lengths) -> float32 [H_kv, n]
-  lengths (optional, default None): held counts [H_kv] of ragged held sets (SPEC §4.8 a, ragged.py)
+  lengths (optional, default None): held counts [H_kv] of ragged held sets (DESIGN.md §4.8 a, ragged.py)
   EvictionConfig (from_dict / from_flat; policy "none" -> None)
   POLICIES: name -> policy object with a pure score(...)
 """

@@ -34,14 +34,14 @@ def score_tokens(policy: str, q_window: torch.Tensor | None, keys: torch.Tensor,
     rows for key-only policies keydiff/knorm/streaming, which ignore it). keys: [n, H_kv, D]; values:
     [n, H_kv, Dv]. Any float dtype and device; computed in fp32 (TF32 off) on the input's device.
 
-    lengths: ragged held sets (SPEC §4.8 a; default None: every head holds all n tokens). An integer tensor
+    lengths: ragged held sets (DESIGN.md §4.8 a; default None: every head holds all n tokens). An integer tensor
     [H_kv] on the keys' device with w <= lengths[i] <= n (values checked on the CPU only): KV head i holds the
     n_i = lengths[i] tokens keys[:n_i, i] (values alike; any finite values after them), and the window rows
     are the last w held tokens of every head. Row i of the result is, in columns [:n_i], the scores of a call
     on head i alone over its held tokens (keys[:n_i, i:i+1], values[:n_i, i:i+1], its query heads, the same
     options; `context` positions padded like the keys), and -inf in columns [n_i:].
 
-    Options (defaults: the policy's SPEC §4 values):
+    Options (defaults: the policy's DESIGN.md §4 values):
       window       query-based: use the last `window` rows of q_window (default: all rows, w = q rows);
                    key-only: protect the last `window` positions (default 0).
       pool_kernel  odd max-pool kernel (not applied by streaming).
@@ -100,7 +100,7 @@ def score_tokens(policy: str, q_window: torch.Tensor | None, keys: torch.Tensor,
     with exact_fp32(keys.device):
         out = pol.score(q, keys, values, window=w, pool_kernel=pool_kernel, sink=sink, gqa=gqa, scale=float(scale),
                         caote_base=caote_base, context=options.get("context"), lengths=lengths)
-    # random's 32-bit hash scores need float64 to stay distinct (SPEC §4.8 e)
+    # random's 32-bit hash scores need float64 to stay distinct (DESIGN.md §4.8 e)
     return (out if out.dtype == torch.float64 else out.to(torch.float32)).contiguous()
 
 
@@ -113,11 +113,11 @@ def select_tokens(
     alpha: float = 0.2,
     lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Kept-token mask [H_kv, n] (True = kept) for final scores [H_kv, n] (SPEC §3, §7.1).
+    """Kept-token mask [H_kv, n] (True = kept) for final scores [H_kv, n] (DESIGN.md §3, §7.1).
 
     Head i keeps its K_i = min(n, p_i * page_size) best tokens (p_i from allocate_pages; all n when nothing
     is evicted) in a stable descending order of its scores: equal scores keep the lower position.
-    lengths: ragged held sets (SPEC §4.8 a; see allocate_pages): head i holds its first n_i scores, keeps
+    lengths: ragged held sets (DESIGN.md §4.8 a; see allocate_pages): head i holds its first n_i scores, keeps
     K_i = min(n_i, p_i * page_size) of them, and never its padding.
     """
     pages = allocate_pages(scores, budget, allocation=allocation, page_size=page_size, alpha=alpha,

@@ -5,7 +5,7 @@
   keys [n, H_kv, D], values [n, H_kv, Dv] - any float dtype/device; computed in fp32 on that device
   window - protected recent positions (= w for query-based policies; 0 unless requested for key-only)
   pool_kernel, sink, gqa, scale, caote_base
-  lengths - None, or the held counts [H_kv] of ragged held sets (SPEC §4.8 a, ragged.py): head i holds its
+  lengths - None, or the held counts [H_kv] of ragged held sets (DESIGN.md §4.8 a, ragged.py): head i holds its
             first n_i tokens and is scored as if alone over them
 and returns float32 [H_kv, n] retention scores, +inf at protected positions (-inf in the padding).
 `base_scores` receives `lengths` too; `score` sets the padding of its result to -inf (pooling leaves it
@@ -30,7 +30,7 @@ class Policy:
     needs_queries: bool = False  # reads window queries
     window_raw: bool = False  # raw score comes from raw_window_scores
     has_kernel: bool = False  # a Triton kernel implements its raw score (CUDA; else the torch reference)
-    default_window: int = 0  # w (SPEC §4 table); 0 = no window
+    default_window: int = 0  # w (DESIGN.md §4 table); 0 = no window
     default_pool_kernel: int = 1
     default_sink: int = 0
     supports_adakv: bool = True
@@ -80,7 +80,7 @@ def register_key_kernel(fn: KeyKernel | None) -> None:
     """Install (or with None remove) a CUDA implementation of the key-only policies that declare
     `has_kernel`: fn(policy_name, keys [n, H_kv, D] in their dtype, lengths=None or held counts [H_kv])
     -> float32 [H_kv, n], equal to `key_score` of each head over its held keys up to fp32 rounding
-    (SPEC §7.3), -inf in the padding."""
+    (DESIGN.md §7.3), -inf in the padding."""
     global _KEY_KERNEL
     _KEY_KERNEL = fn
 

@@ -1,4 +1,4 @@
-"""SPEC §3: budget parsing, pages per head P, and the uniform / Ada-KV page allocation.
+"""DESIGN.md §3: budget parsing, pages per head P, and the uniform / Ada-KV page allocation.
 
 All page arithmetic is exact: Ada-KV's B_i = (1-alpha) f_i + alpha B/H_kv and x_i = B_i/bs are
 evaluated as integers over a common denominator (alpha is read as the decimal it prints as, so 0.2 is
@@ -22,7 +22,7 @@ ALLOCATIONS = ("uniform", "adakv")
 
 
 def check_budget(budget: object) -> int | float:
-    """Validate a request budget (SPEC §3.1): int >= 1 (tokens) or float in (0, 1] (ratio)."""
+    """Validate a request budget (DESIGN.md §3.1): int >= 1 (tokens) or float in (0, 1] (ratio)."""
     if is_int(budget):
         if not 1 <= int(budget) <= INT_MAX:  # type: ignore[arg-type]
             raise ValueError(f"budget must be an int in [1, 2**63 - 1] or a float in (0, 1], got {budget!r}")
@@ -45,7 +45,7 @@ def budget_tokens(n: int, budget: int | float) -> int:
 
 
 def num_pages(n: int, budget: int | float, page_size: int = 16, protected: int = 0) -> int | None:
-    """P of SPEC §3.2, or None when n <= P*bs (nothing is evicted).
+    """P of DESIGN.md §3.2, or None when n <= P*bs (nothing is evicted).
 
     p_min = ceil(max(r, 1)/bs) with r = `protected`; P = max(ceil(b_tok/bs), p_min).
     """
@@ -93,7 +93,7 @@ def _check_alloc(allocation: object, page_size: object, alpha: object) -> None:
 
 def _round_units(num: torch.Tensor, den: int, total: torch.Tensor, p_min: torch.Tensor, p_max: int | torch.Tensor,
                  units: int) -> torch.Tensor:
-    """SPEC §3.4 step 3 for x = num / den (num int64 [L, H] >= 0, sum_i x = total [L]) with bounds p_min [L]
+    """DESIGN.md §3.4 step 3 for x = num / den (num int64 [L, H] >= 0, sum_i x = total [L]) with bounds p_min [L]
     and p_max (an int, or int64 [L, H] per head), in integer tensor arithmetic on num's device, without host
     synchronisation.
 
@@ -120,7 +120,7 @@ def _round_units(num: torch.Tensor, den: int, total: torch.Tensor, p_min: torch.
 
 
 def round_pages(x: Sequence[Fraction], total: int, p_min: int, p_max: int) -> list[int]:
-    """SPEC §3.4 step 3 for one layer of rational x (sum x = total): the engine's rounding, on the host."""
+    """DESIGN.md §3.4 step 3 for one layer of rational x (sum x = total): the engine's rounding, on the host."""
     den = math.lcm(*(xi.denominator for xi in x))
     num = torch.tensor([[int(xi * den) for xi in x]], dtype=torch.int64)
     return _round_units(num, den, torch.tensor([total]), torch.tensor([p_min]), p_max,
@@ -144,11 +144,11 @@ def allocate_pages(
     When nothing is evicted (num_pages is None) every head gets p_max = ceil(n/bs) pages, i.e. keeps all n.
     Kept tokens of head i: K_i = min(n, p_i * page_size).
 
-    lengths: ragged held sets (SPEC §4.8 a): an integer tensor [H_kv] (for [L, H_kv, n] scores [L, H_kv], or
+    lengths: ragged held sets (DESIGN.md §4.8 a): an integer tensor [H_kv] (for [L, H_kv, n] scores [L, H_kv], or
     [L*H_kv] layer-major) with 1 <= n_i <= n; head i holds its first n_i scores, the rest is padding and never
     counts. n is replaced by n_i per head: p_max,i = ceil(n_i/bs), K_i = min(n_i, p_i * page_size); a float
     budget is a ratio of the layer's longest held set. Uniform: p_i = min(P, p_max,i). Ada-KV: a layer whose
-    held pages sum_i p_max,i fit its P*H_kv evicts nothing (p_i = p_max,i), any other runs SPEC §3.4 over the
+    held pages sum_i p_max,i fit its P*H_kv evicts nothing (p_i = p_max,i), any other runs DESIGN.md §3.4 over the
     held scores.
     """
     scores = _check_scores(scores)
@@ -162,7 +162,7 @@ def allocate_pages(
         held = check_lengths(lengths, num_layers * h, n, read=True).to("cpu", torch.int64).reshape(num_layers, h)
         layers = mask_padding(layers, lengths)
     if bool(torch.isnan(layers).any()):
-        raise ValueError("scores contain NaN (a scoring bug; SPEC §7.1)")
+        raise ValueError("scores contain NaN (a scoring bug; DESIGN.md §7.1)")
     r = torch.isposinf(layers).sum(dim=-1).amax(dim=-1).tolist()
     if pages is not None and pages > -(-n // page_size):
         raise ValueError(f"pages={pages} exceeds the {-(-n // page_size)} pages of n={n} tokens")
@@ -173,7 +173,7 @@ def allocate_pages(
     total = torch.tensor([[int(pm.max()) if p is None else p] for p, pm in zip(per_layer, p_max)])
     out = torch.minimum(total, p_max)
     if allocation == "adakv" and h > 1:
-        fits = p_max.sum(dim=1, keepdim=True) <= total * h  # SPEC §4.8 a: the layer evicts nothing
+        fits = p_max.sum(dim=1, keepdim=True) <= total * h  # DESIGN.md §4.8 a: the layer evicts nothing
         out = torch.where(fits, p_max, out)
         rows = (~fits).flatten().nonzero().flatten().tolist()
         if rows:
@@ -186,7 +186,7 @@ def allocate_pages(
 
 def adakv_pages(scores: torch.Tensor, pages: int | list[int], *, page_size: int, alpha: float, max_protected: int,
                 sorted_scores: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """Ada-KV pages per head (SPEC §3.4) [L, H] (int64, on the scores' device) for scores [L, H, n] with
+    """Ada-KV pages per head (DESIGN.md §3.4) [L, H] (int64, on the scores' device) for scores [L, H, n] with
     P = `pages` (one int, or one per layer; P * page_size < n), without host synchronisation.
 
     `sorted_scores`: each head's scores in descending order, when the caller sorted them already (the
@@ -194,7 +194,7 @@ def adakv_pages(scores: torch.Tensor, pages: int | list[int], *, page_size: int,
     `max_protected` (the engine: the config's r) bounds it, which bounds the units of the rounding's sort.
     alpha is exact as the decimal it prints as.
 
-    `lengths`: ragged held sets (SPEC §4.8 a): held counts [L, H] (or [L*H], layer-major) on the scores'
+    `lengths`: ragged held sets (DESIGN.md §4.8 a): held counts [L, H] (or [L*H], layer-major) on the scores'
     device; head i's scores past its n_i are padding and must be -inf (score_tokens' are). The global top-B
     then counts held entries only (all of them when B exceeds their number), p_max,i = ceil(n_i/bs), and a
     layer whose held pages sum_i p_max,i fit its P*H evicts nothing (p_i = p_max,i; P * page_size < n is not
@@ -238,7 +238,7 @@ def adakv_pages(scores: torch.Tensor, pages: int | list[int], *, page_size: int,
 
 def _head_counts(scores: torch.Tensor, sorted_scores: torch.Tensor, top: int,
                  held: torch.Tensor | None = None) -> torch.Tensor:
-    """SPEC §3.4 step 1: f [L, H], each head's share of its layer's global stable top-`top` over the
+    """DESIGN.md §3.4 step 1: f [L, H], each head's share of its layer's global stable top-`top` over the
     head-major flattening of scores [L, H, n] (ties: lower flat index first), from the B-th largest score
     tau and each head's counts above and at tau in its descending scores, without a global sort.
 
@@ -258,7 +258,7 @@ def _head_counts(scores: torch.Tensor, sorted_scores: torch.Tensor, top: int,
 
 
 def kept_counts(pages: torch.Tensor, n: int | torch.Tensor, page_size: int = 16) -> torch.Tensor:
-    """K_i = min(n_i, p_i * bs): n is an int (every head holds n tokens) or, for ragged held sets (SPEC §4.8 a),
+    """K_i = min(n_i, p_i * bs): n is an int (every head holds n tokens) or, for ragged held sets (DESIGN.md §4.8 a),
     the held counts n_i: a tensor with one entry per entry of pages."""
     kept = pages.to(torch.long) * page_size
     return torch.clamp(kept, max=n if is_int(n) else n.to(kept.device, torch.long).reshape(kept.shape))

@@ -1,9 +1,9 @@
-"""CAOTE / FastCAOTE (SPEC §4.5): meta-score over a non-negative base policy's pooled score.
+"""CAOTE / FastCAOTE (DESIGN.md §4.5): meta-score over a non-negative base policy's pooled score.
 
 h = base pooled score before protection (all n tokens of the head); h_n = h / sum(h) (1/n if the sum is 0);
 X = sum_i h_n,i v_i (caote) or mean_i v_i (fastcaote); c_j = h_n,j / (1 - h_n,j + eps) * ||X - v_j||_2.
 Then the base's protection (window, sink) applies. Window, pooling, sink and gqa are the base's.
-Over ragged held sets (SPEC §4.8 a), h_n and X run over each head's held tokens.
+Over ragged held sets (DESIGN.md §4.8 a), h_n and X run over each head's held tokens.
 """
 
 import torch

@@ -1,4 +1,4 @@
-"""EvictionConfig: one request's eviction parameters (SPEC §6), validated.
+"""EvictionConfig: one request's eviction parameters (DESIGN.md §6), validated.
 
 Request form: SamplingParams.extra_args["vllm_evict"] = {"policy": ..., "budget": ..., ...} -> from_dict;
 vLLM's vllm_xargs flat form: {"eviction_policy": ..., "eviction_budget": ..., "eviction_<option>": ...}
@@ -26,12 +26,12 @@ _INT_RE = re.compile(r"^[+-]?\d+$")
 class EvictionConfig:
     """Validated eviction request. Construct with from_dict / from_flat (or directly; validated either way).
 
-    Notes: for policy "streaming" the allocation is always uniform (SPEC §3.4), so allocation is stored as
+    Notes: for policy "streaming" the allocation is always uniform (DESIGN.md §3.4), so allocation is stored as
     "uniform" whatever was asked. window=0 is only allowed for key-only policies (keydiff, knorm, streaming).
     """
 
     policy: str
-    budget: int | float | None  # None: no prompt eviction (a request with only a decode budget, SPEC §4.8 c)
+    budget: int | float | None  # None: no prompt eviction (a request with only a decode budget, DESIGN.md §4.8 c)
     allocation: str = "uniform"
     window: int | None = None
     pool_kernel: int | None = None
@@ -40,7 +40,7 @@ class EvictionConfig:
     alpha: float = 0.2
     caote_base: str = "snapkv"
     chunked: bool = False
-    seed: int | None = None  # random policy (SPEC §4.8 e); None: 0
+    seed: int | None = None  # random policy (DESIGN.md §4.8 e); None: 0
 
     def __post_init__(self) -> None:
         get_policy(self.policy)
@@ -72,7 +72,7 @@ class EvictionConfig:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], budget_required: bool = True) -> "EvictionConfig | None":
-        """Validate a request dict (SPEC §6). Returns None for policy "none" (no eviction).
+        """Validate a request dict (DESIGN.md §6). Returns None for policy "none" (no eviction).
 
         Raises ValueError naming the offending field and value: unknown policy or key, missing policy/budget
         (a request with a decode budget may omit it: budget_required=False), bad
@@ -156,11 +156,11 @@ class EvictionConfig:
         return self.sink if self.sink is not None else self._effective().default_sink
 
     def protected_count(self, n: int) -> int:
-        """r of SPEC §1 for a prompt of n tokens: |{0..sink-1} ∪ {n-w..n-1}| (clamped to n)."""
+        """r of DESIGN.md §1 for a prompt of n tokens: |{0..sink-1} ∪ {n-w..n-1}| (clamped to n)."""
         return _protected_count(n, sink=self.sink_size(), window=self.window_size())
 
     def num_pages(self, n: int, page_size: int = 16) -> int | None:
-        """P of SPEC §3.2 (pages per KV head), or None when nothing is evicted (n <= P*bs, or no budget)."""
+        """P of DESIGN.md §3.2 (pages per KV head), or None when nothing is evicted (n <= P*bs, or no budget)."""
         if self.budget is None:
             return None
         return num_pages(n, self.budget, page_size, self.protected_count(n))

@@ -1,4 +1,4 @@
-"""DropKV (SPEC §4.2): exact single-eviction output change of the window rows.
+"""DropKV (DESIGN.md §4.2): exact single-eviction output change of the window rows.
 
 Evicting token j changes window output t by p_j/(1-p_j) (a - v_j); the cost is the squared norm summed
 over the window rows. It is a retention score as is (large cost = keep). w = 8, max-pool 11.

@@ -1,4 +1,4 @@
-"""H2O, SnapKV-style (SPEC §4.7): attention summed over the window rows, no pooling, window protected.
+"""H2O, SnapKV-style (DESIGN.md §4.7): attention summed over the window rows, no pooling, window protected.
 
 The original H2O sums over all n prompt queries: pass all n queries (w = n), which is quadratic.
 """

@@ -1,4 +1,4 @@
-"""KeyDiff (SPEC §4.3): keep the keys least similar to the mean raw key (post-RoPE, unnormalised).
+"""KeyDiff (DESIGN.md §4.3): keep the keys least similar to the mean raw key (post-RoPE, unnormalised).
 
 S_j = -<mu, k_j> / max(||mu|| ||k_j||, 1e-8), mu = mean of the head's n keys. No queries, no GQA step,
 nothing protected unless `window` / `sink` is requested. (chunked=true is an engine mode; it re-scores

@@ -1,4 +1,4 @@
-"""K-norm (SPEC §4.7): keep low-norm keys, S_j = -||k_j||_2 per KV head."""
+"""K-norm (DESIGN.md §4.7): keep low-norm keys, S_j = -||k_j||_2 per KV head."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""OBCache (SPEC §4.4): second-order (OBD) saliency of zeroing v_j, k_j or both, summed over window rows.
+"""OBCache (DESIGN.md §4.4): second-order (OBD) saliency of zeroing v_j, k_j or both, summed over window rows.
 
 With A = p, Z = z (0 at masked positions), o = a:
   value:  A^2 ||v||^2

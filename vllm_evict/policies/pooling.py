@@ -1,6 +1,6 @@
-"""SPEC §2.3 step 3: max-pooling of raw scores along the token axis, and §2.3 step 5: protection.
+"""DESIGN.md §2.3 step 3: max-pooling of raw scores along the token axis, and §2.3 step 5: protection.
 
-Ragged held sets (SPEC §4.8 a, see ragged.py): raw scores are -inf in the padding, which max-pooling treats
+Ragged held sets (DESIGN.md §4.8 a, see ragged.py): raw scores are -inf in the padding, which max-pooling treats
 as out of range; `protect` takes the held counts and ends each row at its own n_i, -inf after it.
 """
 
@@ -40,7 +40,7 @@ def protect(scores: torch.Tensor, *, sink: int, window: int, lengths: torch.Tens
 
 
 def protected_count(n: int, *, sink: int, window: int) -> int:
-    """r of SPEC §1: |{0..sink-1} ∪ {n-w..n-1}| for a prompt of n tokens."""
+    """r of DESIGN.md §1: |{0..sink-1} ∪ {n-w..n-1}| for a prompt of n tokens."""
     s = max(0, min(sink, n))
     w = max(0, min(window, n))
     return min(n, s + w)

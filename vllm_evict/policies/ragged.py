@@ -1,9 +1,9 @@
-"""Ragged held sets (SPEC §4.8 a): after an Ada-KV compaction the KV heads of a layer hold different numbers of
+"""Ragged held sets (DESIGN.md §4.8 a): after an Ada-KV compaction the KV heads of a layer hold different numbers of
 tokens n_i, and are scored and selected together in padded tensors.
 
 Layout: keys / values [n, H, D] hold head i's tokens in rows [:n_i] (any finite values after them), and
 `lengths` is an integer tensor [H] of the n_i (1 <= n_i <= n). Scores are [H, n], -inf in the padding, so a
-stable descending sort puts the padding after every held token (SPEC §7.1: equal scores keep the lower position).
+stable descending sort puts the padding after every held token (DESIGN.md §7.1: equal scores keep the lower position).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Random eviction within each head (SPEC §4.8 e), a baseline: arXiv 2609.03430 reports that it matches
+"""Random eviction within each head (DESIGN.md §4.8 e), a baseline: arXiv 2609.03430 reports that it matches
 strong evictors when the prompt is kept. Deterministic: a score is a hash of where the token sits.
 
 S_j = h(h(h(h(h(j) ^ c) ^ i) ^ l) ^ s) / 2^32 in float64, with j the token's original position, c the
@@ -18,7 +18,7 @@ _MASK = 0xFFFFFFFF
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
-    """h of SPEC §4.8 e, elementwise on int64 values in [0, 2^32)."""
+    """h of DESIGN.md §4.8 e, elementwise on int64 values in [0, 2^32)."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _MASK
     x = x ^ (x >> 15)

@@ -1,4 +1,4 @@
-"""POLICIES: name -> policy object (SPEC §6 `policy` names)."""
+"""POLICIES: name -> policy object (DESIGN.md §6 `policy` names)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SPEC §7.1 selection: stable descending sort (ties keep the lower position); never torch.topk."""
+"""DESIGN.md §7.1 selection: stable descending sort (ties keep the lower position); never torch.topk."""
 
 from __future__ import annotations
 
@@ -31,5 +31,5 @@ def keep_mask(scores: torch.Tensor, kept: torch.Tensor, order: torch.Tensor | No
 
 
 def kept_indices(mask: torch.Tensor) -> list[torch.Tensor]:
-    """Per head, the kept positions in ascending order (the storage order of SPEC §2.1)."""
+    """Per head, the kept positions in ascending order (the storage order of DESIGN.md §2.1)."""
     return [row.nonzero().flatten() for row in mask]

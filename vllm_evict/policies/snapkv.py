@@ -1,4 +1,4 @@
-"""SnapKV (SPEC §4.1): mean window attention, GQA mean, max-pool 7, window protected (Ada-KV settings)."""
+"""SnapKV (DESIGN.md §4.1): mean window attention, GQA mean, max-pool 7, window protected (Ada-KV settings)."""
 
 from .base import WindowPolicy
 

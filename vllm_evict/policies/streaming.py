@@ -1,4 +1,4 @@
-"""StreamingLLM (SPEC §4.6): keep the first `sink` = 4 tokens and the most recent ones (S_j = j).
+"""StreamingLLM (DESIGN.md §4.6): keep the first `sink` = 4 tokens and the most recent ones (S_j = j).
 
 Allocation is always uniform (Ada-KV is ignored). Pooling and gqa do not apply. Scores are float32, so
 recency is exact for n <= 2^24.

@@ -1,4 +1,4 @@
-"""TOVA (SPEC §4.7): attention of the last prompt query; no pooling; the last token is protected.
+"""TOVA (DESIGN.md §4.7): attention of the last prompt query; no pooling; the last token is protected.
 
 With a larger window (w > 1) the raw score is still the last row's attention, and all w window
 positions are protected.

@@ -1,4 +1,4 @@
-"""Window attention statistics (SPEC §1) and the single entry point for raw query-based scores.
+"""Window attention statistics (DESIGN.md §1) and the single entry point for raw query-based scores.
 
 For one KV head and its group of g query heads, with the window rows t = 0..w-1 at positions n-w+t:
 
@@ -14,7 +14,7 @@ largest thing materialised; heads are processed one at a time.
 pooling) of snapkv, h2o, tova, dropkv and obcache-value/key/joint. A CUDA kernel can be plugged in with
 `register_raw_kernel`; `reference_raw_window_scores` always runs the torch reference.
 
-Ragged held sets (SPEC §4.8 a, ragged.py): with `lengths`, KV head i holds its first n_i keys; the window
+Ragged held sets (DESIGN.md §4.8 a, ragged.py): with `lengths`, KV head i holds its first n_i keys; the window
 rows are the last w held tokens of every head, so row t sits at n_i - w + t and sees j <= n_i - w + t. Its raw
 scores are those of head i alone over its n_i keys, and -inf in the padding.
 """
@@ -41,7 +41,7 @@ def register_raw_kernel(fn: RawKernel | None) -> None:
 
     It is called as fn(policy_name, q_window, keys, values, scale=..., gqa=..., lengths=...) with validated
     inputs in their original dtype (lengths: None, or the held counts [H_kv] of ragged held sets) and must
-    return float32 [H_kv, n] equal to the reference within SPEC §7.3 (-inf in the padding).
+    return float32 [H_kv, n] equal to the reference within DESIGN.md §7.3 (-inf in the padding).
     """
     global _RAW_KERNEL
     _RAW_KERNEL = fn
@@ -49,7 +49,7 @@ def register_raw_kernel(fn: RawKernel | None) -> None:
 
 @contextlib.contextmanager
 def exact_fp32(device: torch.device) -> Iterator[None]:
-    """Disable TF32 for CUDA matmuls inside the block (SPEC §7.2); a no-op on other devices."""
+    """Disable TF32 for CUDA matmuls inside the block (DESIGN.md §7.2); a no-op on other devices."""
     if device.type != "cuda":
         yield
         return
@@ -78,7 +78,7 @@ class WindowStats:
         masked = logits.masked_fill(~self.visible, float("-inf"))
         self.lse = torch.logsumexp(masked, dim=-1)  # [g, w]
         self.p = torch.exp(masked - self.lse.unsqueeze(-1))  # exactly 0 where masked
-        self.z = logits.masked_fill_(~self.visible, 0.0)  # Z = 0 at masked positions (SPEC §4.4)
+        self.z = logits.masked_fill_(~self.visible, 0.0)  # Z = 0 at masked positions (DESIGN.md §4.4)
 
     @cached_property
     def a(self) -> torch.Tensor:
@@ -118,7 +118,7 @@ def window_stats(q_window: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 
 def aggregate_gqa(per_head: torch.Tensor, gqa: str) -> torch.Tensor:
-    """[g, n] -> [n]: mean (default) or max over the query heads of the group (SPEC §2.3 step 2)."""
+    """[g, n] -> [n]: mean (default) or max over the query heads of the group (DESIGN.md §2.3 step 2)."""
     return per_head.mean(dim=0) if gqa == "mean" else per_head.amax(dim=0)
 
 
@@ -153,7 +153,7 @@ def reference_raw_window_scores(
     policy: object, q_window: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: float | None = None,
     gqa: str = "mean", dtype: torch.dtype = torch.float32, lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference of raw_window_scores, whatever the device: fp32 (SPEC §7.2; TF32 off), or fp64 when
+    """Torch reference of raw_window_scores, whatever the device: fp32 (DESIGN.md §7.2; TF32 off), or fp64 when
     asked. It is also the reference of the Triton kernels (tests/kernels/test_window_scores.py): the raw
     scores are written once, in each policy's `head_raw`."""
     pol = _resolve(policy)

@@ -21,7 +21,7 @@ class ReferenceResult:
     logprobs: list[float]          # log-softmax of the chosen token at each step
     top5: list[list[int]]          # the 5 most likely tokens at each step
     kept_per_layer: list[list[int]]  # kept tokens per KV head, per layer
-    near_ties: int = 0             # replay: kept boundaries within SPEC §7.3's tolerance of the next score
+    near_ties: int = 0             # replay: kept boundaries within DESIGN.md §7.3's tolerance of the next score
 
 
 class ReferenceDecoder:
@@ -121,7 +121,7 @@ class ReferenceDecoder:
 
     @torch.no_grad()
     def replay(self, prompt_ids: list[int], max_tokens: int, spec, page_size: int = 16) -> ReferenceResult:
-        """Greedy tokens of a request that compacts at SPEC §4.8's points (`spec`: request_config.RequestEviction;
+        """Greedy tokens of a request that compacts at DESIGN.md §4.8's points (`spec`: request_config.RequestEviction;
         under Ada-KV each head holds its own number of tokens after a point): its prompt eviction (one-shot at E, or block-wise in chunks of C tokens: each
         chunk attends to what its layer holds plus itself, and every chunk end past P pages compacts), then
         a decode point after the forward that writes each C_d-th generated token's K/V. At a point each head
@@ -170,7 +170,7 @@ class ReferenceDecoder:
         elif chunk:
             for start in range(0, n, chunk):
                 end = min(start + chunk, n)
-                over = end > pages * page_size  # every chunk end past P pages (SPEC §4.3)
+                over = end > pages * page_size  # every chunk end past P pages (DESIGN.md §4.3)
                 last_hidden = forward(prompt_ids[start:end], start, "prompt" if over else None)
             done = n
         else:
@@ -191,7 +191,7 @@ class ReferenceDecoder:
         return ReferenceResult(tokens, logprobs, top5, kept_per_layer, self._near_ties)
 
     def _context(self, layer: int, positions: torch.Tensor, index: int, config):
-        """Where a layer's scored tokens sit (SPEC §4.8 e): original positions [H, n], heads 0..H_kv-1,
+        """Where a layer's scored tokens sit (DESIGN.md §4.8 e): original positions [H, n], heads 0..H_kv-1,
         compaction index, the request's seed."""
         from vllm_evict.policies.random import TokenContext
 
@@ -201,7 +201,7 @@ class ReferenceDecoder:
 
     def _compact(self, layer: int, keys: list, values: list, positions: list, queries: dict, spec, point: str,
                  index: int, pages: int | None, n: int, page_size: int) -> None:
-        """Compaction point `index` of one layer (SPEC §4.8 a): each head keeps its best pages of its candidates
+        """Compaction point `index` of one layer (DESIGN.md §4.8 a): each head keeps its best pages of its candidates
         (under Ada-KV the heads may hold different counts: scored padded to the longest, with their lengths)."""
         config = spec.config
         H = self.num_kv_heads
@@ -275,7 +275,7 @@ class ReferenceDecoder:
 
 
 def near_ties(scores: torch.Tensor, keep: torch.Tensor, exact: bool) -> int:
-    """Heads whose last kept score is within SPEC §7.3's tolerance (1e-3 relative) of the best evicted one,
+    """Heads whose last kept score is within DESIGN.md §7.3's tolerance (1e-3 relative) of the best evicted one,
     where rounding may decide: a different float path (vLLM's RoPE and kernels) may keep either. Exact
     ties count only with `exact` (no pooling: distinct tokens with equal scores, e.g. K-norm on a repeated
     token, whose norm RoPE does not change); pooled ties copy one value, which both paths share."""
