@@ -1,4 +1,4 @@
-"""Where a request's scoring + compaction time goes on GPU (issue 14). Not a unit test.
+"""Where a request's scoring + compaction time goes on GPU. Not a unit test.
 
 Runs the engine's own compaction (`compaction.compact_request`: all layers of one request at once,
 layers folded into the head axis in groups) on Llama-3.1-8B-shaped layers (32 layers, 8 KV heads,

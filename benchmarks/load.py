@@ -1,4 +1,4 @@
-"""Bounded load against an OpenAI server on loopback (issue 18): N concurrent streaming clients, a mix of
+"""Bounded load against an OpenAI server on loopback: N concurrent streaming clients, a mix of
 eviction settings, a share of them disconnecting mid-stream. Not a unit test; tests/server/test_load.py
 runs a short one in CI.
 

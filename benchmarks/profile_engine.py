@@ -85,7 +85,7 @@ def attention_alone(batch: int, kv_len: int) -> dict:
 
 def attention_splits(shapes: list[tuple[int, int]], spreads: list[float], splits_list: list[int],
                      orders: tuple[str, ...] = ("natural",)) -> list[dict]:
-    """Issue 31: the per-head FlashAttention decode call on the engine's HND cache (one KV head per virtual
+    """Ada-KV decode: the per-head FlashAttention decode call on the engine's HND cache (one KV head per virtual
     sequence), per (batch, kv_len) shape and spread: each request's 8 heads share 8*kv_len tokens in
     proportions softmax(spread * N(0, 1)) (spread 0: every head at kv_len), per num_splits (0: FA's
     heuristic; k: dynamic splits of at most k, what the split per-head graphs pass), per order of the
@@ -281,7 +281,7 @@ def timeline(trace_path: Path) -> dict:
 
 
 def decode_eviction_profile(args, engine, sched, timers, table, out_dir):
-    """Decode-time eviction (issue 34): B requests of --prompt-len tokens with a decode budget of --kv-len
+    """Decode-time eviction: B requests of --prompt-len tokens with a decode budget of --kv-len
     tokens per head (every --decode-every tokens), against B plain requests whose prompts hold about the
     same KV (--kv-len + half a compaction interval). Per variant: host time per phase and the step-time
     distribution over two compaction intervals, then a profile of one interval (its compaction step,

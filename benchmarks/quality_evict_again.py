@@ -1,4 +1,4 @@
-"""Quality of evicting again (issue 34, DESIGN.md §4.8) on SmolLM2-135M-Instruct, through the real engine.
+"""Quality of evicting again (docs/DESIGN.md §4.8) on SmolLM2-135M-Instruct, through the real engine.
 
 * **Perplexity under block-wise eviction** (the StreamingLLM evaluation): a long real text that ships
   offline, concatenated CPython standard-library sources of this interpreter, cut to --ppl-tokens tokens,

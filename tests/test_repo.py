@@ -48,7 +48,7 @@ def test_setup_pins_the_supported_version():
 
 def test_kernels_and_server_install_under_the_package_namespace(tmp_path):
     """kernels/ and server/ import as vllm_evict.kernels / vllm_evict.server from the installed package
-    (pyproject package-dir), and install no generic top-level `kernels` or `server` (issue 20: HF's
+    (pyproject package-dir), and install no generic top-level `kernels` or `server` (HF's
     `kernels` distribution uses that name). Run outside the checkout, so the source tree is not on the path."""
     import subprocess
     import sys

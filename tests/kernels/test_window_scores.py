@@ -491,7 +491,7 @@ def test_default_precision_qualifies(policy, heavy):
 def test_new_prompt_lengths_compile_nothing():
     """After one prompt length, every other length (aligned or not, short or long, split or not) and
     every other number of KV heads (the engine folds a group of layers into the head axis, and the group
-    size depends on the prompt length) runs on the kernels already compiled (issue 14: no per-length
+    size depends on the prompt length) runs on the kernels already compiled (no per-length
     recompiles)."""
     from vllm_evict.kernels import window_scores as ws
 

@@ -4,7 +4,7 @@
 #   bash tools/device/device_soak.sh evict|vanilla SECONDS [CLIENTS] [DIR]      (DIR defaults to $OUT)
 # evict: `vllm-evict serve` with the mixed eviction load; vanilla: stock `vllm serve` (only the bundle on
 # PYTHONPATH, no plugins) with the same load minus the eviction field (--mix none).
-# A 600 s soak plus engine start and drain outlasts one device call (600 s): start it detached in one call,
+# A 600 s soak plus engine start and drain outlasts one remote command (600 s): start it detached in one call,
 # from a copy of the tree (the next call replaces the working tree under a running script)
 #   cp -r . /tmp/soakrepo && cd /tmp/soakrepo && \
 #     setsid nohup bash tools/device/device_soak.sh evict 600 200 /tmp/soak > /tmp/soak.log 2>&1 &

@@ -11,7 +11,7 @@
 # Here (repo root, needs PyPI; once):
 #     build the vLLM GPU bundle                           # -> .vllm-gpu/part1..N (tools/device/README.md)
 #     bash tools/device/quality_gpu.sh prepare              # -> .quality-gpu/part1, part2
-# Device calls, back to back (a machine goes back after ~30 s idle and after 30 minutes held; a fresh one
+# Remote commands, back to back (a machine goes back after ~30 s idle and after 30 minutes held; a fresh one
 # needs all parts again, and the files of an unfinished run stay on the old one):
 #     run(carry=[".vllm-gpu/partK"], command="bash .vllm-gpu/partK/stage.sh")            # K = 1..N
 #     run(carry=[".quality-gpu/part1"], command="bash tools/device/quality_gpu.sh stage .quality-gpu/part1")

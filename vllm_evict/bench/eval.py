@@ -41,7 +41,7 @@ from vllm_evict.engine.request_config import EXTRA_ARGS_KEY
 from vllm_evict.policies import ALLOCATIONS, POLICIES
 
 BUDGETS = (0.05, 0.1, 0.2, 0.4, 1.0)
-# The quality table's default set (issue 6); "all" is every registered policy.
+# The quality table's default set; "all" is every registered policy.
 CORE_POLICIES = ("snapkv", "dropkv", "keydiff", "obcache-value", "obcache-key", "obcache-joint",
                  "caote", "fastcaote", "streaming")
 ALL_POLICIES = tuple(POLICIES)

@@ -89,7 +89,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="default 1 GiB on CPU")
     p.add_argument("--kv-cache-dtype", default=None,
-                   help="vLLM's KV cache dtype (default: vLLM's, the model dtype; 'fp8' on CUDA, issue 32). Give a "
+                   help="vLLM's KV cache dtype (default: vLLM's, the model dtype; 'fp8' on CUDA). Give a "
                         "run with another cache dtype its own --name: --resume reuses records by prompt, not by "
                         "engine")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
