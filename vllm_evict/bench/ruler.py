@@ -32,7 +32,7 @@ where the eviction happens:
   cache (see docs/QUALITY.md for how the runner asks the engine for that).
 
 The haystack is the repeated noise of RULER's passkey task ("The grass is green. The sky is blue. ...");
-SmolLM2-135M retrieves reliably from it at 1K-4K, unlike from natural text (../shared/MODELS.md).
+SmolLM2-135M retrieves reliably from it at 1K-4K, unlike from natural text (docs/QUALITY.md, "Model").
 
 Lengths: the prompt (context + question) has at most ``length`` tokens and at least
 ``length - length_tolerance(length)`` tokens. Needles are inserted between filler sentences; ``depth`` is
