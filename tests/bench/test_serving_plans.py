@@ -47,7 +47,7 @@ def test_every_documented_workload_exists(serving):
     named = {}
     for doc in DOCS:
         text = doc.read_text()
-        for name in re.findall(r"--plan[ =]([A-Za-z0-9_.-]+)", text):
+        for name in re.findall(r"--plan[ =]([A-Za-z][A-Za-z0-9_.-]*)", text):
             named.setdefault(name, doc.name)
         for line in re.findall(r"device_calls\.sh((?: +[A-Za-z0-9_-]+)+)", text):
             for name in line.split():
