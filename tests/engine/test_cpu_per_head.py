@@ -233,3 +233,38 @@ def test_compact_then_decode_matches_explicit(allocation):
             vs = torch.cat([kept_v, new_v[: t + 1, h]])
             expected = explicit_attention(q[t, h * G:(h + 1) * G], ks, vs, D ** -0.5)
             torch.testing.assert_close(out[h, t], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_per_head_attention_with_sinks_matches_explicit():
+    """GPT-OSS's attention sinks on the per-head path (Ada-KV rows): each KV head's virtual sequences get
+    their own query heads' sinks (one kernel call per KV head), as explicit softmax with the sink logit in
+    the denominator computes them. bf16: vLLM's CPU kernel takes sinks in bf16."""
+    from vllm_evict.engine.cpu_backend import EvictCPUAttentionImpl
+
+    torch.manual_seed(5)
+    R, T = 2, 3                                   # two requests, three query tokens each (causal)
+    lens = torch.tensor([[40, 21], [17, 33]])     # [H, R] uneven per-head lengths
+    kv = torch.zeros(64, H, N, 2 * D, dtype=torch.bfloat16)
+    cache = CpuPagedCache(kv, ISA, 1.0, 1.0, "auto")
+    pages = torch.randperm(64 * H)[: H * R * 4].view(H * R, 4).to(torch.int32)  # any pages of the per-head view
+    keys, values = torch.randn(H * R, 64, D, dtype=torch.bfloat16), torch.randn(H * R, 64, D, dtype=torch.bfloat16)
+    for row in range(H * R):
+        n = int(lens.view(-1)[row])
+        pos = torch.arange(n)
+        cache.write_pages(keys[row, :n], values[row, :n], pages[row, pos // N].long() * N + pos % N)
+    impl = object.__new__(EvictCPUAttentionImpl)  # the kernel call alone: no engine
+    sinks = torch.randn(H * G, dtype=torch.bfloat16) * 2
+    impl.sinks, impl.num_kv_heads, impl.isa, impl.scale = sinks, H, ISA, D ** -0.5
+    impl.logits_soft_cap, impl.kv_cache_dtype = 0.0, "auto"
+    q = torch.randn(H * R * T, G, D, dtype=torch.bfloat16)                  # head-major virtual sequences
+    qsl = torch.arange(0, H * R * T + 1, T, dtype=torch.int32)
+    out = torch.empty_like(q)
+    impl._per_head_attention(q, cache, qsl, lens.view(-1).to(torch.int32), pages, T, 64, out)
+    for row in range(H * R):
+        h, n = row // R, int(lens.view(-1)[row])
+        for t in range(T):
+            visible = n - T + t + 1
+            logits = torch.einsum("gd,ld->gl", q[row * T + t].float(), keys[row, :visible].float()) * D ** -0.5
+            probs = torch.cat([logits, sinks[h * G: (h + 1) * G].float().unsqueeze(1)], dim=1).softmax(-1)[:, :-1]
+            expected = probs @ values[row, :visible].float()
+            torch.testing.assert_close(out[row * T + t].float(), expected, rtol=2e-2, atol=2e-2)

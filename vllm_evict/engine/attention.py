@@ -56,18 +56,52 @@ def check_pipeline_parallel(size: int) -> None:
                          "use --tensor-parallel-size, or disable the plugin (VLLM_PLUGINS=none)")
 
 
+def per_head_graph(attn_metadata):  # -> worker.PerHeadDecodeBatch | None
+    """The per-head FULL decode graph this layer's attention runs in: None outside one, and for the layers
+    eviction leaves alone (a hybrid model's sliding-window layers: their builder holds no graph tables)."""
+    graph = per_head_graph_step()
+    return graph if graph is not None and getattr(attn_metadata, "per_head_decode", None) is not None else None
+
+
 def step_plan(attn_metadata):  # -> worker.StepPlan | None
     """The eviction plan of the step whose attention metadata this is (None: a stock step)."""
     return getattr(attn_metadata, "eviction", None)
 
 
 class EvictionMetadataBuilderMixin:
-    """Mixed into a stock AttentionMetadataBuilder: the metadata it builds carries the step's plan."""
+    """Mixed into a stock AttentionMetadataBuilder: the metadata it builds for the evicted KV cache group
+    carries the step's plan; the other groups of a hybrid model (sliding window) get none and run stock.
+
+    A hybrid model's evicted group reads its own copy of seq_lens, lowered by the compacted rows' shifts
+    (the runner's copy stays semantic for the other groups). It is a persistent buffer written in place
+    every step, the captured one included, so FULL CUDA graphs replay with it."""
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        evicts = getattr(self, "_vllm_evict_evicts", None)
+        if evicts is None:
+            evicts = self._vllm_evict_evicts = bool(STATE.evicted_layers.intersection(self.layer_names))
+        plan = STATE.plan if evicts else None
+        if evicts and STATE.group.hybrid:
+            common_attn_metadata = self._physical_lengths(common_attn_metadata, plan)
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        md.eviction = STATE.plan
+        md.eviction = plan
         return md
+
+    def _physical_lengths(self, cm, plan):
+        """cm with seq_lens in this builder's buffer, less each compacted row's shift."""
+        import dataclasses
+
+        n = cm.seq_lens.shape[0]
+        buffer = getattr(self, "_vllm_evict_seq_lens", None)
+        if buffer is None or buffer.shape[0] < n:
+            config = self.vllm_config
+            size = max(n, config.scheduler_config.max_num_seqs,
+                       config.compilation_config.max_cudagraph_capture_size or 0)
+            buffer = self._vllm_evict_seq_lens = cm.seq_lens.new_zeros(size)
+        buffer[:n].copy_(cm.seq_lens)
+        if plan is not None and plan.shift is not None:
+            buffer[: plan.num_reqs] -= plan.shift
+        return dataclasses.replace(cm, seq_lens=buffer[:n])
 
 
 class EvictionAttentionMixin:
@@ -95,8 +129,9 @@ class EvictionAttentionMixin:
         raise NotImplementedError  # only backends with FULL decode graphs
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        plan = step_plan(get_attention_context(layer.layer_name)[0])
-        per_head = per_head_graph_step() or (plan is not None and plan.per_head)
+        md = get_attention_context(layer.layer_name)[0]
+        plan = step_plan(md)
+        per_head = per_head_graph(md) or (plan is not None and plan.per_head)
         if not per_head or self.kv_sharing_target_layer_name is not None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         # Per-head slots need this layer's tables, built in forward(); the write happens there.
@@ -104,7 +139,7 @@ class EvictionAttentionMixin:
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         plan = step_plan(attn_metadata)
-        graph = per_head_graph_step()
+        graph = per_head_graph(attn_metadata)
         if attn_metadata is not None and graph:  # captured once, replayed: no plan read
             self._per_head_graph_forward(extract_layer_index(layer.layer_name), query, key, value,
                                          self._cached_paged_cache(layer, kv_cache), attn_metadata, output,

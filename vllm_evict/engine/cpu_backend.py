@@ -105,6 +105,20 @@ class EvictCPUAttentionImpl(EvictionAttentionMixin, CPUAttentionBackendImpl):
             kv_cache_dtype=self.kv_cache_dtype)
 
     def _per_head_attention(self, q, cache, qsl, seq_lens, block_table, max_query_len, max_seq_len, out):
+        if self.sinks is None:
+            return self._virtual_attention(q, cache, qsl, seq_lens, block_table, out, None)
+        # Attention sinks (GPT-OSS) are per query head, and one call takes one [g] vector for all its
+        # sequences: one call per KV head, its virtual sequences (rows h*R .. h*R+R-1, queries in order).
+        H = self.num_kv_heads
+        R, g = seq_lens.numel() // H, q.shape[1]
+        starts = qsl.tolist()
+        for h in range(H):
+            lo, hi = starts[h * R], starts[(h + 1) * R]
+            rows = slice(h * R, (h + 1) * R)
+            self._virtual_attention(q[lo:hi], cache, qsl[h * R: (h + 1) * R + 1] - lo, seq_lens[rows],
+                                    block_table[rows], out[lo:hi], self.sinks[h * g: (h + 1) * g])
+
+    def _virtual_attention(self, q, cache, qsl, seq_lens, block_table, out, sinks) -> None:
         g, D = q.shape[1], q.shape[2]
         metadata = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=seq_lens.numel(), num_heads=g, num_kv_heads=1, head_dim=D, seq_lens=seq_lens,
@@ -114,7 +128,7 @@ class EvictCPUAttentionImpl(EvictionAttentionMixin, CPUAttentionBackendImpl):
             query=q, key_cache=cache.key_pages, value_cache=cache.value_pages, output=out,
             query_start_loc=qsl, seq_lens=seq_lens, scale=self.scale, causal=True, alibi_slopes=None,
             sliding_window=-1, block_table=block_table, softcap=self.logits_soft_cap,
-            scheduler_metadata=metadata, s_aux=None, k_scale=cache.k_scale, v_scale=cache.v_scale,
+            scheduler_metadata=metadata, s_aux=sinks, k_scale=cache.k_scale, v_scale=cache.v_scale,
             kv_cache_dtype=self.kv_cache_dtype)
 
 

@@ -28,6 +28,7 @@ from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, reshape_
 from vllm_evict.kernels.paged_kv import gather_prompt, gather_slots, scatter_kept
 from vllm_evict.engine.attention import EvictionAttentionMixin, EvictionMetadataBuilderMixin
 from vllm_evict.engine.per_head import DecodeGraphTables
+from vllm_evict.engine.worker import STATE  # the evicted KV cache group's layers (builders only)
 
 
 class CudaPagedCache:
@@ -118,11 +119,14 @@ class EvictFlashAttentionImpl(EvictionAttentionMixin, FlashAttentionImpl):
         FlashAttentionImpl.forward(self, layer, query, key, value, kv_cache, md, output)
 
     def _per_head_attention(self, q, cache, qsl, seq_lens, block_table, max_query_len, max_seq_len, out):
-        flash_attn_varlen_func(
+        result = flash_attn_varlen_func(
             q=q, k=cache.attn_key_pages, v=cache.attn_value_pages, out=out, cu_seqlens_q=qsl,
             max_seqlen_q=max_query_len, seqused_k=seq_lens, max_seqlen_k=max_seq_len, softmax_scale=self.scale,
             causal=True, alibi_slopes=None, window_size=None, block_table=block_table, softcap=self.logits_soft_cap,
-            scheduler_metadata=None, fa_version=self.vllm_flash_attn_version, **descales(cache, q, seq_lens.shape[0]))
+            scheduler_metadata=None, fa_version=self.vllm_flash_attn_version, return_softmax_lse=self.sinks is not None,
+            **descales(cache, q, seq_lens.shape[0]))
+        if self.sinks is not None:  # virtual sequences head-major: row h*T + t
+            apply_sinks(out, result[1], self.sinks, self.num_kv_heads, head_major=True)
 
     def _per_head_graph_forward(self, layer_idx, query, key, value, cache, md, output, split_kv) -> None:
         """Decode step (one token per row) as per-head virtual sequences, captured in and replayed from a
@@ -138,10 +142,25 @@ class EvictFlashAttentionImpl(EvictionAttentionMixin, FlashAttentionImpl):
         # worker.py); the output is written in place, each sequence at its row.
         q = tables.queries[layer_idx, :n]
         q.view(n, -1).copy_(query[:n].reshape(n, -1))
-        ordered_decode_attention(q.view(n * H, g, D), cache, tables.order[layer_idx, : n * H + 1],
-                                 tables.query_counts[: n * H], lens, pages, md.max_seq_len,
-                                 output[:n].view(n * H, g, D), self.scale, self.logits_soft_cap,
-                                 num_splits=md.max_num_splits if split_kv else 1)
+        out = output[:n].view(n * H, g, D)
+        lse = ordered_decode_attention(q.view(n * H, g, D), cache, tables.order[layer_idx, : n * H + 1],
+                                       tables.query_counts[: n * H], lens, pages, md.max_seq_len, out, self.scale,
+                                       self.logits_soft_cap, num_splits=md.max_num_splits if split_kv else 1)
+        if self.sinks is not None:  # query rows token-major: row t*H + h
+            apply_sinks(out, lse, self.sinks, H, head_major=False)
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, num_kv_heads: int,
+                head_major: bool) -> None:
+    """Attention sinks (GPT-OSS) on per-head attention computed without them: a sink s adds exp(s) to the
+    softmax's denominator only, so each output row scales by exp(lse) / (exp(lse) + exp(s)) =
+    sigmoid(lse - s). out [S, g, D] and lse [g, S] (float32) of S = H*T query rows, ordered head-major
+    (row h*T + t) or token-major (row t*H + h); sinks [H*g], query head h*g + j at index h*g + j."""
+    S, g, H = out.shape[0], out.shape[1], num_kv_heads
+    per_head = sinks.to(torch.float32).view(H, g)
+    per_row = (per_head.unsqueeze(1).expand(H, S // H, g) if head_major
+               else per_head.unsqueeze(0).expand(S // H, H, g)).reshape(S, g)
+    out.mul_(torch.sigmoid(lse.transpose(0, 1) - per_row).unsqueeze(-1).to(out.dtype))
 
 
 def descales(cache: CudaPagedCache, q: torch.Tensor, num_sequences: int) -> dict:
@@ -164,9 +183,9 @@ def ordered_decode_attention(q: torch.Tensor, cache: CudaPagedCache, query_rows:
     query_rows [S + 1] int32 (the last entry only pads the shape) is FA's cu_seqlens_q and query_counts [S]
     int32, all ones, its seqused_q: with seqused_q FA3 reads each sequence's offset alone, so the offsets
     need not grow. vllm_flash_attn's wrapper passes no seqused_q, so this calls the FA3 op itself (its
-    schema's argument names)."""
+    schema's argument names). Returns the softmax LSE [g, Q] (float32)."""
     scales = descales(cache, q, lens.shape[0])
-    torch.ops._vllm_fa3_C.fwd(
+    return torch.ops._vllm_fa3_C.fwd(
         q=q, k=cache.attn_key_pages, v=cache.attn_value_pages, k_new=None, v_new=None, q_v=None, out=out,
         cu_seqlens_q=query_rows, cu_seqlens_k=None, cu_seqlens_k_new=None, seqused_q=query_counts,
         seqused_k=lens, max_seqlen_q=1, max_seqlen_k=max_seq_len, page_table=pages, kv_batch_idx=None,
@@ -174,7 +193,7 @@ def ordered_decode_attention(q: torch.Tensor, cache: CudaPagedCache, query_rows:
         q_descale=scales.get("q_descale"), k_descale=scales.get("k_descale"), v_descale=scales.get("v_descale"),
         softmax_scale=scale, is_causal=True, window_size_left=-1, window_size_right=-1, softcap=softcap,
         is_rotary_interleaved=True, scheduler_metadata=None, num_splits=num_splits, pack_gqa=None, sm_margin=0,
-        s_aux=None, cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None)
+        s_aux=None, cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None)[1]
 
 
 def query_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -196,7 +215,9 @@ class EvictFlashAttentionMetadataBuilder(EvictionMetadataBuilderMixin, FlashAtte
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.per_head_decode = None
         # The per-head FULL decode graphs (worker.py; one token per row, so no speculative decoding)
-        if self.use_full_cuda_graph and vllm_config.num_speculative_tokens == 0:
+        # (the evicted KV cache group's builder only: a hybrid model's other layers replay stock attention)
+        if self.use_full_cuda_graph and vllm_config.num_speculative_tokens == 0 \
+                and STATE.evicted_layers.intersection(layer_names):
             from vllm.model_executor.models.utils import extract_layer_index
 
             page, model = kv_cache_spec.block_size, vllm_config.model_config

@@ -18,9 +18,14 @@ Life of an evicting request, as the scheduler sees it:
    of that step, layer by layer. The scheduler then immediately swaps the request's block list to the
    fresh blocks and frees the prompt blocks (they stay valid prefix-cache entries: compaction never
    writes them). Later steps run after this one, so a freed block is reused only after it was read.
-4. From then on the manager sees the request with `removed = E - F*block_size` fewer computed tokens
-   (positions and RoPE stay semantic on the worker) and never hashes its blocks again.
+4. From then on the evicted group's manager sees the request with `removed = E - F*block_size` fewer
+   tokens (CompactedGroupManager; positions and RoPE stay semantic on the worker) and never hashes its
+   blocks again.
 Preemption frees everything; the recompute evicts again at the same point.
+
+Hybrid models (layout.py): only the full-attention KV cache group is compacted, and every block count
+above is that group's. The other groups (sliding window, linear attention) keep vLLM's handling through
+the same coordinator; admission and the never-fit check add what they hold (layout.other_group_blocks).
 
 Evicting again (DESIGN.md §4.8): block-wise eviction (chunked=true) and decode-time eviction (decode_budget)
 repeat step 3 at every point of the request's CompactionSchedule and compact in place: the kept tokens
@@ -33,6 +38,7 @@ checks.
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,13 +46,14 @@ from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
-from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import RequestStatus
 
-from vllm_evict.engine.request_config import (EXTRA_ARGS_KEY, PLAN_KEY, CompactionSchedule, FollowsSchedule,
+from vllm_evict.engine.request_config import (DEFAULT_ENV, EXTRA_ARGS_KEY, PLAN_KEY, CompactionSchedule, FollowsSchedule,
                                               RequestEviction,
                                               long_prompts_allowed, parse_request)
+from vllm_evict.engine.layout import EvictedGroup, evicted_group, model_refusal, other_group_blocks
 from vllm_evict.engine.worker import FAILED_ATTR, LATENCY_ATTR, TRIMMED_ATTR
 
 logger = init_logger(__name__)
@@ -59,6 +66,7 @@ class SchedulerEviction(FollowsSchedule):
     blocks: int            # F: fresh blocks a one-shot compaction writes (P, or more for Ada-KV under TP)
     window: int            # w: window queries the worker must compute itself
     peak: int = 0          # blocks it holds at its peak, alone (admission, never-fit check)
+    other_blocks: int = 0  # blocks the other KV cache groups of a hybrid model hold for its whole sequence
     done: int = 0          # compaction points already scheduled
     swap_pending: bool = False
     removed: int = 0       # semantic minus physical length once compacted
@@ -109,19 +117,62 @@ _ALLOCATE_SLOTS_DEFAULTS = {p.name: p.default for p in
                             list(inspect.signature(KVCacheManager.allocate_slots).parameters.values())[3:]}
 
 
+class CompactedGroupManager(SingleTypeKVCacheManager):
+    """Mixed into the evicted group's single-type manager (installed on the instance): it counts a
+    compacted request's tokens physically, `removed` fewer than the request's semantic count, so vLLM's
+    coordinator sizes that group's blocks by what it holds while the other groups see every token."""
+
+    removed: dict[str, int]
+
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+                                   num_local_computed_tokens, num_tokens_main_model, *args, **kwargs):
+        r = self.removed.get(request_id, 0)
+        return super().get_num_blocks_to_allocate(request_id, num_tokens - r, new_computed_blocks,
+                                                  total_computed_tokens - r, num_local_computed_tokens - r,
+                                                  num_tokens_main_model - r, *args, **kwargs)
+
+    def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model, *args, **kwargs):
+        r = self.removed.get(request_id, 0)
+        return super().allocate_new_blocks(request_id, num_tokens - r, num_tokens_main_model - r, *args, **kwargs)
+
+    def remove_skipped_blocks(self, request_id, num_computed_tokens, *args, **kwargs):
+        return super().remove_skipped_blocks(request_id, num_computed_tokens - self.removed.get(request_id, 0),
+                                             *args, **kwargs)
+
+
+def install_group_manager(manager) -> None:
+    """Make `manager` (a single-type manager instance) a CompactedGroupManager of its own class (the mixin
+    derives from vLLM's base so that the instance's layout stays that of its class)."""
+    cls = type(manager)
+    manager.__class__ = type(f"Compacted{cls.__name__}", (CompactedGroupManager, cls), {})
+    manager.removed = {}
+
+
 class EvictionKVCacheManager(KVCacheManager):
     """KVCacheManager that knows which requests evict. Installed on the scheduler's manager instance."""
 
     evictions: dict[str, SchedulerEviction]
     page_size: int
+    group: EvictedGroup
+
+    @property
+    def evicted(self):
+        """The single-type manager of the group eviction compacts."""
+        return self.coordinator.single_type_managers[self.group.index]
+
+    def set_removed(self, request_id: str, ev: SchedulerEviction) -> None:
+        if ev.removed:
+            self.evicted.removed[request_id] = ev.removed
+        else:
+            self.evicted.removed.pop(request_id, None)
 
     def get_computed_blocks(self, request):
         blocks, num_hits, *rest = super().get_computed_blocks(request)
         ev = self.evictions.get(request.request_id)
         if ev is None or ev.compacted or num_hits == 0:
             return (blocks, num_hits, *rest)
-        if ev.rewrites_blocks:  # compaction rewrites its blocks: they must be its own
-            return (self.empty_kv_cache_blocks, 0, *rest)
+        if ev.rewrites_blocks or not self.group.hits_cut_at_pages:  # rewritten blocks must be its own; a
+            return (self.empty_kv_cache_blocks, 0, *rest)           # linear-attention state has no cut
         # At least one token (and all w window tokens) before E must be computed here, so that a chunk
         # ends at E and the worker sees the window queries.
         limit = max(0, ev.evict_at - max(ev.window, 1)) // self.page_size * self.page_size
@@ -129,6 +180,10 @@ class EvictionKVCacheManager(KVCacheManager):
             keep = limit // self.page_size
             blocks = KVCacheBlocks(tuple(list(group[:keep]) for group in blocks.blocks))
             num_hits = limit
+            # a sliding-window group's hit holds only its last window (null blocks before it): cut shorter,
+            # the window before the cut may be gone, and then the request takes no hit
+            if any(block.is_null for group in blocks.blocks for block in group[max(0, keep - self.group.window_blocks):]):
+                return (self.empty_kv_cache_blocks, 0, *rest)
         return (blocks, num_hits, *rest)
 
     def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
@@ -148,23 +203,18 @@ class EvictionKVCacheManager(KVCacheManager):
             kwargs["full_sequence_must_fit"] = False
             if self._blocks_short(request, ev):
                 return None
-        if ev.compacted:  # physical accounting: the manager sees the compacted length
-            request.num_computed_tokens -= ev.removed
-            try:
-                new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
-            finally:
-                request.num_computed_tokens += ev.removed
-        elif evicts and not point.in_place:
+        if evicts and not point.in_place and not ev.compacted:
             # The chunk that ends at E: allocate it together with F fresh destination blocks.
             kwargs["reserved_blocks"] = given["reserved_blocks"] + ev.blocks
             new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
             if new_blocks is None:
                 return None
             fresh = self.block_pool.get_new_blocks(ev.blocks)
-            manager = self.coordinator.single_type_managers[0]
-            manager.req_to_blocks[request.request_id].extend(fresh)
-            new_blocks = KVCacheBlocks((list(new_blocks.blocks[0]) + list(fresh),))
-        else:
+            self.evicted.req_to_blocks[request.request_id].extend(fresh)
+            g = self.group.index
+            new_blocks = KVCacheBlocks(tuple(list(blocks) + (list(fresh) if i == g else [])
+                                             for i, blocks in enumerate(new_blocks.blocks)))
+        else:  # a compacted request: the evicted group's manager counts it physically (CompactedGroupManager)
             new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
         if evicts and new_blocks is not None:
             ev.swap_pending = True  # swapped in _update_after_schedule, once this step's block ids are sent
@@ -174,29 +224,31 @@ class EvictionKVCacheManager(KVCacheManager):
         """Free the fresh blocks F' .. F-1 of a compacted request (Ada-KV under TP), which its layout left
         empty: it now holds F' blocks before its tail, and its compacted length drops by the same pages.
         Tail blocks were allocated at the same block boundaries in either view, so nothing else moves."""
-        manager = self.coordinator.single_type_managers[0]
+        manager = self.evicted
         blocks = manager.req_to_blocks[request_id]
         unused = blocks[used: ev.blocks]
         manager.req_to_blocks[request_id] = blocks[:used] + blocks[ev.blocks:]
         manager.num_cached_block[request_id] -= len(unused)
         self.block_pool.free_blocks(reversed(unused))
         ev.removed += len(unused) * self.page_size
+        self.set_removed(request_id, ev)
         ev.unused = len(unused)
         ev.held_after_prompt -= len(unused)
 
     def _blocks_short(self, request, ev: SchedulerEviction) -> bool:
         """Whether the free pool lacks what a request that compacts in place holds at its peak (block-wise:
-        P pages and a chunk; a decode budget: P_d pages and C_d tokens); vLLM's own check asks the same of a
-        request's whole sequence."""
-        held = len(self.coordinator.single_type_managers[0].req_to_blocks.get(request.request_id, ()))
-        return ev.peak - held > self.block_pool.get_num_free_blocks()
+        P pages and a chunk; a decode budget: P_d pages and C_d tokens), and what the other groups of a
+        hybrid model hold for its whole sequence; vLLM's own check asks the same of its whole sequence."""
+        held = sum(not block.is_null for m in self.coordinator.single_type_managers
+                   for block in m.req_to_blocks.get(request.request_id, ()))
+        return ev.peak + ev.other_blocks - held > self.block_pool.get_num_free_blocks()
 
     def swap_to_compacted(self, request_id: str, ev: SchedulerEviction) -> None:
         """After a compaction step was scheduled: keep the blocks that hold the kept pages (the F fresh ones,
         or, compacting in place, the first ones its kept tokens fill), free the rest.
 
         Freed now, read by the worker in the step just scheduled; any reuse happens in a later step."""
-        manager = self.coordinator.single_type_managers[0]
+        manager = self.evicted
         blocks = manager.req_to_blocks[request_id]
         point = ev.point
         if point.in_place:
@@ -216,6 +268,7 @@ class EvictionKVCacheManager(KVCacheManager):
         manager.req_to_blocks[request_id] = kept
         manager.num_cached_block[request_id] = len(kept)
         self.block_pool.free_blocks(reversed(freed))
+        self.set_removed(request_id, ev)
         ev.done += 1
         ev.swap_pending = False
 
@@ -254,13 +307,15 @@ def plan_eviction(spec: RequestEviction, num_prompt_tokens: int, block_size: int
     return ev
 
 
-def never_fit_reason(num_tokens: int, block_size: int, num_blocks: int, ev: SchedulerEviction | None) -> str | None:
+def never_fit_reason(num_tokens: int, block_size: int, num_blocks: int, ev: SchedulerEviction | None,
+                     other_blocks: int = 0) -> str | None:
     """Why a request of `num_tokens` (prompt + max_tokens) could never run in a cache of `num_blocks` blocks,
-    not even alone (it would wait, or be preempted and recomputed, forever), or None if it can."""
+    not even alone (it would wait, or be preempted and recomputed, forever), or None if it can.
+    other_blocks: what the groups eviction leaves alone hold for it (a hybrid model's; layout.py)."""
     if ev is None and not long_prompts_allowed():
         return None  # vLLM's start-up check made --max-model-len fit the cache
     usable = num_blocks - 1  # less vLLM's null block
-    peak = peak_blocks(num_tokens, block_size, ev)
+    peak = peak_blocks(num_tokens, block_size, ev) + other_blocks
     if peak <= usable:
         return None
     return (f"the request can never fit the KV cache: it holds {peak} blocks of {block_size} tokens at its peak "
@@ -273,46 +328,65 @@ class _EvictionSchedulerMixin:
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        groups = self.kv_cache_config.kv_cache_groups
-        self.eviction_enabled = len(groups) == 1 and isinstance(groups[0].kv_cache_spec, FullAttentionSpec) \
-            and getattr(groups[0].kv_cache_spec, "sliding_window", None) is None
-        if not self.eviction_enabled:
-            logger.warning("vllm-evict: eviction disabled (needs one full-attention KV cache group)")
+        group, reason = evicted_group(self.kv_cache_config)
+        # a page: one block of the evicted group (a hybrid model's other groups may use other block sizes)
+        self.page_size = self.kv_cache_config.kv_cache_groups[group.index].kv_cache_spec.block_size \
+            if group is not None else self.block_size
+        reason = model_refusal(self.vllm_config.model_config, self.vllm_config.scheduler_config) or reason
+        self.refusal = reason  # why this model cannot evict (None: it can); requests that ask are failed
         self.evictions: dict[str, SchedulerEviction] = {}
         self.failed: list = []  # finished with an error (unreadable settings, failed compaction), output pending
-        manager = self.kv_cache_manager
-        manager.__class__ = EvictionKVCacheManager
-        manager.evictions = self.evictions
-        manager.page_size = self.block_size
         # Chunk boundaries at the eviction point go through vLLM's block-aligned-split hook.
         self._vllm_needs_mamba_split = self.need_mamba_block_aligned_split
         self.need_mamba_block_aligned_split = True
+        if reason is not None:
+            if os.environ.get(DEFAULT_ENV):  # the server was told to evict every request: refuse to start
+                raise ValueError(f"vllm-evict: a default eviction is set, but this model cannot evict: {reason}")
+            logger.warning("vllm-evict: this model cannot evict: %s; requests that ask for eviction fail", reason)
+            return
+        manager = self.kv_cache_manager
+        manager.__class__ = EvictionKVCacheManager
+        manager.evictions = self.evictions
+        manager.page_size = self.page_size
+        manager.group = group
+        install_group_manager(manager.evicted)
+        if group.hybrid:
+            logger.info("vllm-evict: hybrid model: eviction compacts KV cache group %d of %d (%d full-attention "
+                        "layers); the others keep vLLM's handling", group.index, group.num_groups,
+                        len(self.kv_cache_config.kv_cache_groups[group.index].layer_names))
 
     # -- request lifecycle -------------------------------------------------------------------------
     def add_request(self, request) -> None:
         super().add_request(request)
-        if not self.eviction_enabled or request.sampling_params is None:
+        if request.sampling_params is None:
             return
         try:
             spec = parse_request(request.sampling_params.extra_args)
+            if spec is not None and self.refusal is not None:
+                raise ValueError(f"this model cannot evict: {self.refusal}")
             ev = None if spec is None else self._plan(request, spec)
         except ValueError as exc:  # the API process validates; only a client that bypasses it gets here
             logger.error("vllm-evict: request %s rejected: %s", request.request_id, exc)
             self._fail(request)
             return
         # the API process refuses these at arrival (plugin._install_request_validation); this catches the rest
-        reason = never_fit_reason(request.num_prompt_tokens + request.max_tokens, self.block_size,
-                                  self.kv_cache_manager.block_pool.num_gpu_blocks, ev)
+        num_tokens = request.num_prompt_tokens + request.max_tokens
+        reason = never_fit_reason(num_tokens, self.page_size, self.kv_cache_manager.block_pool.num_gpu_blocks, ev,
+                                  ev.other_blocks if ev is not None else 0)
         if reason is not None:
             logger.error("vllm-evict: request %s: %s", request.request_id, reason)
             self._fail(request)
 
     def _plan(self, request, spec: RequestEviction) -> SchedulerEviction | None:
         """The request's compaction schedule and F, also handed to the workers; None if it evicts nothing."""
-        ev = plan_eviction(spec, request.num_prompt_tokens, self.block_size, kv_head_groups(self.vllm_config),
+        ev = plan_eviction(spec, request.num_prompt_tokens, self.page_size, kv_head_groups(self.vllm_config),
                            request.max_tokens)
         if ev is None:
             return None
+        manager = self.kv_cache_manager
+        if manager.group.hybrid:
+            ev.other_blocks = other_group_blocks(self.kv_cache_config, manager.group,
+                                                 request.num_prompt_tokens + request.max_tokens)
         params = request.sampling_params
         params.extra_args = {**(params.extra_args or {}),  # for the workers
                              PLAN_KEY: [ev.evict_at, ev.pages or 0, ev.chunk, ev.blocks, request.num_prompt_tokens]}
@@ -335,6 +409,7 @@ class _EvictionSchedulerMixin:
         ev = self.evictions.get(request.request_id)
         if ev is not None:
             ev.reset()
+            self.kv_cache_manager.set_removed(request.request_id, ev)
 
     def _update_after_schedule(self, scheduler_output) -> None:
         super()._update_after_schedule(scheduler_output)
@@ -400,6 +475,8 @@ class _EvictionSchedulerMixin:
     def _free_request(self, request, delay_free_blocks: bool = False):
         kv_xfer_params, ec_xfer_params = super()._free_request(request, delay_free_blocks)
         ev = self.evictions.pop(request.request_id, None)
+        if ev is not None:
+            self.kv_cache_manager.evicted.removed.pop(request.request_id, None)
         if ev is not None and ev.compacted:
             kv_xfer_params = dict(kv_xfer_params or {})
             kv_xfer_params[EXTRA_ARGS_KEY] = self._report(ev, request)
@@ -415,7 +492,7 @@ class _EvictionSchedulerMixin:
                 "pages_per_head": ev.pages,
                 # Average over layers and heads: every layer holds exactly P*H_kv pages; a head keeps whole
                 # pages unless it keeps its whole prefix, so this is exact up to that partial last page.
-                "kept_tokens_per_head": min(ev.pages * self.block_size, ev.evict_at),
+                "kept_tokens_per_head": min(ev.pages * self.page_size, ev.evict_at),
                 "blocks_before": ev.blocks_before,
                 "blocks_after": ev.held_after_prompt,
                 "blocks_freed": ev.blocks_before - ev.held_after_prompt,
@@ -431,7 +508,7 @@ class _EvictionSchedulerMixin:
                 "decode_blocks_freed": ev.decode_blocks_freed,
             })
             if request is not None:  # its physical length's blocks, now
-                report["blocks_held"] = -(-(request.num_computed_tokens - ev.removed) // self.block_size)
+                report["blocks_held"] = -(-(request.num_computed_tokens - ev.removed) // self.page_size)
         if ev.latency_ms is not None:
             report["latency_ms"] = round(ev.latency_ms, 3)
         return report

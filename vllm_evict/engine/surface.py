@@ -15,6 +15,7 @@ import inspect
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner."
 _SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler."
 _MANAGER = "vllm.v1.core.kv_cache_manager:KVCacheManager."
+_SINGLE = "vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager."
 
 SURFACE: dict[str, dict[str, str]] = {
     "engine": {
@@ -24,6 +25,7 @@ SURFACE: dict[str, dict[str, str]] = {
         _RUNNER + "_model_forward": "self, input_ids=, positions=, intermediate_tensors=, inputs_embeds=, **model_kwargs",
         _RUNNER + "execute_model": "self, scheduler_output, intermediate_tensors=",
         _RUNNER + "sample_tokens": "self, grammar_output",
+        _RUNNER + "initialize_kv_cache": "self, kv_cache_config, is_profiling=",
         _RUNNER + "_warmup_and_capture": "self, desc, cudagraph_runtime_mode, profile_seq_lens=, allow_microbatching=, "
                                          "num_warmups=, profiler=",
         # max_num_blocks is the 7th positional argument (worker.block_table_init doubles it)
@@ -54,6 +56,12 @@ SURFACE: dict[str, dict[str, str]] = {
                                      "num_lookahead_tokens=, num_external_computed_tokens=, delay_cache_blocks=, "
                                      "num_encoder_tokens=, full_sequence_must_fit=, reserved_blocks=, "
                                      "has_scheduled_reqs=",
+        # scheduler.CompactedGroupManager: the evicted KV cache group's manager counts compacted requests physically
+        _SINGLE + "get_num_blocks_to_allocate": "self, request_id, num_tokens, new_computed_blocks, "
+                                                "total_computed_tokens, num_local_computed_tokens, "
+                                                "num_tokens_main_model, apply_admission_cap=",
+        _SINGLE + "allocate_new_blocks": "self, request_id, num_tokens, num_tokens_main_model",
+        _SINGLE + "remove_skipped_blocks": "self, request_id, processed_computed_tokens, num_prompt_tokens=",
         _SCHEDULER + "add_request": "self, request",
         _SCHEDULER + "_mamba_block_aligned_split":
             "self, request, num_new_tokens, num_new_local_computed_tokens=, num_external_computed_tokens=",

@@ -226,6 +226,7 @@ class StepPlan:
     tables: object | None = None             # per_head.StepTables, built by the first layer
     split_kv: bool = True                    # which per-head FULL graph replays (per_head.split_kv; CUDA)
     row_shift: "np.ndarray | None" = None    # [num_reqs] positions each row is shifted by (shift_positions)
+    shift: torch.Tensor | None = None        # the same on the device, for a hybrid model's evicted group only
 
     @property
     def per_head(self) -> bool:
@@ -275,6 +276,8 @@ class WorkerEvictionState:
         self.heads: KVHeadGroup | None = None    # this rank's KV heads (set with `layers`)
         self.windows = WindowStore(0)            # every request's window queries (one per runner)
         self.layers: tuple | None = None         # (runner, attention_layers), set by its first plan
+        self.group = None                        # layout.EvictedGroup: the KV cache group compacted (None: none)
+        self.evicted_layers: frozenset = frozenset()  # its layers' names (their metadata builders carry the plan)
 
     def attach_report(self, output):
         """Send compaction latencies, failures and trimmed fresh blocks to the scheduler on a
@@ -338,22 +341,39 @@ class WorkerEvictionState:
                 continue
             # the blocks the scheduler kept: the first ones the kept tokens fill (compacted in place) or all
             # after the prompt's
-            blocks, point = req.block_ids[0], state.point
+            g = self.group.index
+            blocks, point = req.block_ids[g], state.point
             blocks = blocks[: -(-point.kept // state.page_size)] if point.in_place else blocks[state.prompt_blocks:]
             if state.used_blocks is not None:  # Ada-KV under TP: drop the fresh blocks its layout left empty
                 used = state.used_blocks.read()
                 blocks = blocks[:used] + blocks[state.blocks:]
                 self.trimmed[req_id] = used  # the scheduler frees the same blocks on this report
                 state.blocks, state.used_blocks = used, None
-            req.block_ids = (blocks,) + tuple(req.block_ids[1:])
+            req.block_ids = req.block_ids[:g] + (blocks,) + req.block_ids[g + 1:]
             row = runner.input_batch.req_id_to_index.get(req_id)
             if row is not None:
                 runner.input_batch.block_table.add_row(req.block_ids, row)
             state.advance(self.windows)
         self.pending_strip.clear()
 
+    def set_kv_cache_groups(self, runner, kv_cache_config) -> None:
+        """The KV cache group compaction works on (layout.py), before the runner builds its metadata
+        builders (they read `evicted_layers`); None where the model cannot evict."""
+        from vllm_evict.engine.layout import evicted_group, model_refusal
+
+        group, reason = evicted_group(kv_cache_config)
+        if reason is None:
+            reason = model_refusal(runner.model_config, runner.vllm_config.scheduler_config)
+        self.group = None if reason else group
+        self.evicted_layers = frozenset() if reason else frozenset(
+            kv_cache_config.kv_cache_groups[group.index].layer_names)
+        self.layers = None
+
     def build_plan(self, runner, scheduler_output) -> None:
         """The step's plan, in O(number of evicting requests); None (stock step) when there are none."""
+        self.plan = None
+        if self.group is None:  # the scheduler evicts nothing on such a model
+            return
         self.attention_layers(runner)
         for req_id in self.arrived:
             state = self._new_state(runner, req_id)
@@ -403,7 +423,7 @@ class WorkerEvictionState:
                 if not current.evicts:  # a point that evicts nothing: it only advances
                     continue
                 compacting.append(row)
-                blocks = runner.requests[state.req_id].block_ids[0]
+                blocks = runner.requests[state.req_id].block_ids[self.group.index]
                 if current.in_place:  # from the blocks it holds into the first ones its kept tokens fill
                     state.prompt_block_ids = list(blocks[: -(-current.held // state.page_size)])
                     state.fresh_blocks = list(blocks[: -(-current.kept // state.page_size)])
@@ -430,11 +450,11 @@ class WorkerEvictionState:
                         per_head_tokens=per_head_tokens, page_size=runner.cache_config.block_size,
                         cache=self.step_cache, windows=self.windows)
         if plan.per_head:
-            row_blocks = batch.block_table[0].num_blocks_per_row[:num_reqs]
+            row_blocks = batch.block_table[self.group.index].num_blocks_per_row[:num_reqs]
             plan.row_blocks = row_blocks.tolist()
             plan.max_blocks = max(int(row_blocks.max()), 1)
         if compacted_rows:
-            shift_positions(runner, plan)
+            shift_positions(runner, plan, self.group)
         if plan.needs_per_head_graph and self.num_sms:
             plan.split_kv = self._split_kv(runner, plan)
         self.plan = plan
@@ -510,7 +530,7 @@ class WorkerEvictionState:
         if self.layers is None or self.layers[0] is not runner:
             modules = runner.vllm_config.compilation_config.static_forward_context.values()
             impls = [m for m in modules if hasattr(getattr(m, "impl", None), "_cached_paged_cache")
-                     and m.impl.kv_sharing_target_layer_name is None]
+                     and m.impl.kv_sharing_target_layer_name is None and m.layer_name in self.evicted_layers]
             layers = sorted(((extract_layer_index(m.layer_name), m.impl._cached_paged_cache(m, m.kv_cache))
                              for m in impls), key=lambda item: item[0])
             self.layers = (runner, layers, impls[0].impl.scale)
@@ -526,12 +546,14 @@ class WorkerEvictionState:
         self.plan = None
 
 
-def shift_positions(runner, plan: StepPlan) -> None:
+def shift_positions(runner, plan: StepPlan, group) -> None:
     """Attention sees compacted rows at their physical length: seq_lens and the KV slots of their tokens
     use positions lowered by their shift (RoPE keeps the semantic positions in runner.positions).
 
     For stock-layout rows this is all eviction needs, and it works inside vLLM's FULL CUDA graphs (both
-    tensors are the runner's persistent buffers, rewritten in place before the graph replays)."""
+    tensors are the runner's persistent buffers, rewritten in place before the graph replays). A hybrid
+    model's other KV cache groups keep the semantic lengths and slots: only the evicted group's slots are
+    recomputed, and its metadata builder lowers its own copy of seq_lens (attention.py, plan.shift)."""
     import numpy as np
 
     from vllm_evict.engine.per_head import host_to_device
@@ -543,11 +565,15 @@ def shift_positions(runner, plan: StepPlan) -> None:
     device = runner.seq_lens.device
     plan.row_shift = row_shift
     shift = host_to_device(row_shift.tolist(), device)
-    runner.seq_lens[:num_reqs] -= shift.to(runner.seq_lens.dtype)
+    tables = runner.input_batch.block_table
+    if group.hybrid:
+        plan.shift = shift.to(runner.seq_lens.dtype)
+        tables = tables[group.index]
+    else:
+        runner.seq_lens[:num_reqs] -= shift.to(runner.seq_lens.dtype)
     num_tokens = int(runner.query_start_loc.np[num_reqs])
     positions = runner.positions[:num_tokens] - shift[runner.req_indices.gpu[:num_tokens]]
-    runner.input_batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1],
-                                                        positions)
+    tables.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], positions)
 
 
 def compact_one(states: list[WorkerEviction], layers: list, scale: float,
@@ -730,6 +756,11 @@ def install_runner_hooks() -> None:
     orig_init_keys = CudagraphDispatcher.initialize_cudagraph_keys
     orig_warmup_and_capture = GPUModelRunner._warmup_and_capture
     orig_kernel_warmup = gpu_worker.kernel_warmup
+    orig_initialize_kv_cache = GPUModelRunner.initialize_kv_cache
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        STATE.set_kv_cache_groups(self, kv_cache_config)
+        return orig_initialize_kv_cache(self, kv_cache_config, *args, **kwargs)
 
     def _update_states(self, scheduler_output):
         STATE.before_update_states(self, scheduler_output)
@@ -805,6 +836,7 @@ def install_runner_hooks() -> None:
         warm_up_scoring(worker.model_runner)
 
     GPUModelRunner._update_states = _update_states
+    GPUModelRunner.initialize_kv_cache = initialize_kv_cache
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner.execute_model = execute_model
     GPUModelRunner._model_forward = _model_forward

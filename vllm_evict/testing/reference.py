@@ -1,18 +1,65 @@
-"""Independent reference for engine exactness tests: a plain torch decoder loop over an HF Llama/Qwen2
-checkpoint that evicts with the engine-free policy code and decodes over kept tokens only.
+"""Independent reference for engine exactness tests: a plain torch decoder loop over an HF checkpoint
+(Llama, Qwen2, and the hybrids Gemma 3 and GPT-OSS) that evicts with the engine-free policy code and
+decodes over kept tokens only.
 
-No vLLM code is involved: attention is explicit softmax over per-head key lists, RoPE comes from the
-HF model, positions stay the original ones (kept keys are not re-rotated; new tokens continue at n).
+No vLLM code is involved. The HF model computes everything but attention (its norms, RoPE, MLP or MoE);
+attention goes through an attention function registered with transformers (`AttentionInterface`) that
+keeps its own per-layer, per-KV-head key/value lists with their original positions and computes an
+explicit softmax over them: causal by position, limited to the last `sliding_window` positions on a
+sliding-window layer, with the layer's attention sinks (GPT-OSS) as one more logit per query head in the
+denominator. Only full-attention layers evict (docs/DESIGN.md); positions stay the original ones (kept
+keys are not re-rotated; new tokens continue at n).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from vllm_evict.policies import EvictionConfig, score_tokens, select_tokens
+
+ATTENTION_NAME = "vllm_evict_reference"
+_ACTIVE: list = []  # the callback of the forward in progress (attention receives no other handle)
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+               s_aux=None, **kwargs):
+    """transformers' attention-function signature: query [1, Hq, T, D], key/value [1, Hkv, T, D] of this
+    forward's tokens. Returns ([1, T, Hq, D], None) from the active callback."""
+    out = _ACTIVE[-1](module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))
+    return out.unsqueeze(0), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, _attention)
+
+
+@dataclass
+class LayerKV:
+    """What one layer holds per KV head: keys and values [L_h, D] and their original positions [L_h]."""
+
+    keys: list
+    values: list
+    positions: list
+    queries: dict = field(default_factory=dict)  # position -> query [Hq, D] of every position processed
+
+    @classmethod
+    def empty(cls, num_heads: int, head_dim: int, device, dtype) -> "LayerKV":
+        none = torch.empty(0, head_dim, device=device, dtype=dtype)
+        return cls([none] * num_heads, [none] * num_heads, [torch.empty(0, dtype=torch.int64)] * num_heads)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        H = len(self.keys)
+        self.keys[:] = [torch.cat([self.keys[h], k[:, h]]) for h in range(H)]
+        self.values[:] = [torch.cat([self.values[h], v[:, h]]) for h in range(H)]
+        self.positions[:] = [torch.cat([self.positions[h], pos.cpu()]) for h in range(H)]
+
+    def counts(self) -> list[int]:
+        return [k.shape[0] for k in self.keys]
 
 
 @dataclass
@@ -20,175 +67,189 @@ class ReferenceResult:
     token_ids: list[int]
     logprobs: list[float]          # log-softmax of the chosen token at each step
     top5: list[list[int]]          # the 5 most likely tokens at each step
-    kept_per_layer: list[list[int]]  # kept tokens per KV head, per layer
+    kept_per_layer: list[list[int]]  # kept tokens per KV head, per layer (every token: a layer that never evicts)
     near_ties: int = 0             # replay: kept boundaries within DESIGN.md §7.3's tolerance of the next score
+    gaps: list[float] = field(default_factory=list)  # the best logprob less the chosen token's, each step
 
 
 class ReferenceDecoder:
     def __init__(self, model_dir, dtype=torch.float32, device="cpu"):
         from transformers import AutoModelForCausalLM
 
+        _register_attention()
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                          attn_implementation=ATTENTION_NAME).to(self.device).eval()
         cfg = self.model.config
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.scale = self.head_dim ** -0.5
+        attention = [layer.self_attn for layer in self.model.model.layers]
+        self.num_layers = len(attention)
+        self.scale = attention[0].scaling
+        # per layer: the last positions a query sees (None: all), its sinks [Hq] (None: none); and which evict
+        self.windows = [getattr(a, "sliding_window", None) for a in attention]
+        self.sinks = [getattr(a, "sinks", None) for a in attention]
+        self.evicts = [w is None for w in self.windows]
+        assert all(a.scaling == self.scale for a in attention), "one softmax scale for every layer"
 
-    def _rope(self, q, k, positions):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    def _forward(self, ids: list[int], start: int, callback) -> torch.Tensor:
+        """The model over tokens `ids` at positions start..; attention by callback(layer, q [T, Hq, D],
+        k [T, H, D], v [T, H, D]) -> [T, Hq, D]. Returns the last token's logits [vocab] (float32)."""
+        pos = torch.arange(start, start + len(ids), device=self.device)
+        _ACTIVE.append(callback)
+        try:
+            out = self.model(input_ids=torch.tensor([ids], device=self.device), position_ids=pos.unsqueeze(0),
+                             use_cache=False, logits_to_keep=1)
+        finally:
+            _ACTIVE.pop()
+        return out.logits[0, -1].float()
 
-        cos, sin = self.model.model.rotary_emb(q, positions.unsqueeze(0))
-        # q, k: [T, H, D] -> HF layout [1, H, T, D]
-        q, k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-        return q[0].transpose(0, 1), k[0].transpose(0, 1)
-
-    def _layer_qkv(self, layer, hidden, positions):
-        attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
-        T = x.shape[0]
-        q = attn.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = attn.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        q, k = self._rope(q, k, positions)
-        return q, k, v
-
-    def _finish_layer(self, layer, hidden, attn_out):
-        hidden = hidden + layer.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-
-    def _attend(self, q, keys, values, causal_offset: int | list[int] | None):
-        """q [T, Hq, D]; keys/values per KV head: lists of [L_h, D]. With causal_offset, query t sees
-        the first causal_offset + t + 1 keys of every head (prefill; a list: per head); else all keys (decode)."""
+    def _attend(self, layer: int, q: torch.Tensor, held: LayerKV, q_pos: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D] at positions q_pos over what each KV head of `layer` holds: keys at positions <= the
+        query's (and within its sliding window), the layer's sinks in the denominator."""
         g = self.num_heads // self.num_kv_heads
+        window, sinks = self.windows[layer], self.sinks[layer]
         out = torch.empty_like(q)
+        qp = q_pos.cpu()[:, None]
         for h in range(self.num_kv_heads):
             qh = q[:, h * g: (h + 1) * g]                          # [T, g, D]
-            logits = torch.einsum("tgd,ld->tgl", qh, keys[h]) * self.scale
-            if causal_offset is not None:
-                T, L = q.shape[0], keys[h].shape[0]
-                offset = causal_offset[h] if isinstance(causal_offset, list) else causal_offset
-                mask = torch.arange(L, device=q.device)[None, :] > (offset + torch.arange(T, device=q.device))[:, None]
-                logits = logits.masked_fill(mask[:, None, :], float("-inf"))
-            out[:, h * g: (h + 1) * g] = torch.einsum("tgl,ld->tgd", logits.softmax(-1), values[h])
+            logits = torch.einsum("tgd,ld->tgl", qh, held.keys[h]) * self.scale
+            kp = held.positions[h][None, :]
+            hidden = kp > qp
+            if window is not None:
+                hidden |= kp <= qp - window
+            logits = logits.masked_fill(hidden.to(q.device)[:, None, :], float("-inf"))
+            if sinks is not None:
+                sink = sinks[h * g: (h + 1) * g].to(logits.dtype).view(1, g, 1).expand(logits.shape[0], g, 1)
+                probs = torch.cat([logits, sink], dim=-1).float().softmax(-1)[..., :-1].to(logits.dtype)
+            else:
+                probs = logits.softmax(-1)
+            out[:, h * g: (h + 1) * g] = torch.einsum("tgl,ld->tgd", probs, held.values[h])
         return out
+
+    def _layers_from(self, per_layer, keep: list) -> list[LayerKV]:
+        """Each layer's store after a prefill whose (q, k, v) are `per_layer`, keeping keep[layer] ([H, E]
+        bool; None: every token)."""
+        stores = []
+        for (q, k, v), kept in zip(per_layer, keep):
+            E = k.shape[0]
+            pos = torch.arange(E)
+            rows = [slice(None) if kept is None else kept[h].to(k.device) for h in range(self.num_kv_heads)]
+            stores.append(LayerKV([k[r, h] for h, r in enumerate(rows)], [v[r, h] for h, r in enumerate(rows)],
+                                  [pos[r.cpu() if kept is not None else r] for r in rows]))
+        return stores
 
     @torch.no_grad()
     def prefill(self, prefix_ids: list[int]):
-        """Full causal attention over the prefix: per layer (q, k, v) post-RoPE, and the last hidden state."""
-        model = self.model.model
-        positions = torch.arange(len(prefix_ids), device=self.device)
-        hidden = model.embed_tokens(torch.tensor(prefix_ids, device=self.device))
-        per_layer = []
-        for layer in model.layers:
-            q, k, v = self._layer_qkv(layer, hidden, positions)
-            keys = [k[:, h] for h in range(self.num_kv_heads)]
-            values = [v[:, h] for h in range(self.num_kv_heads)]
-            hidden = self._finish_layer(layer, hidden, self._attend(q, keys, values, causal_offset=0))
-            per_layer.append((q, k, v))
-        return per_layer, hidden[-1:]
+        """Causal attention over the prefix: per layer (q, k, v) post-RoPE ([T, Hq|H, D]), and the last
+        token's logits."""
+        per_layer = [None] * self.num_layers
+        pos = torch.arange(len(prefix_ids), device=self.device)
+
+        def attend(layer, q, k, v):
+            per_layer[layer] = (q, k, v)
+            return self._attend(layer, q, LayerKV([k[:, h] for h in range(self.num_kv_heads)],
+                                                  [v[:, h] for h in range(self.num_kv_heads)],
+                                                  [pos.cpu()] * self.num_kv_heads), pos)
+
+        logits = self._forward(prefix_ids, 0, attend)
+        return per_layer, logits
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_tokens: int, config: EvictionConfig | None = None,
                  evict_at: int | None = None, page_size: int = 16, prefill=None,
-                 keep_override: list[torch.Tensor] | None = None) -> ReferenceResult:
+                 keep_override: list[torch.Tensor] | None = None, forced: list[int] | None = None) -> ReferenceResult:
         """Greedy tokens when the KV of prompt_ids[:evict_at] (default: the whole prompt) is evicted with
         `config` at the end of its prefill. `prefill` = self.prefill(prompt_ids[:E]) may be passed to reuse it.
-        `keep_override` (per layer [H, E] bool) replaces the reference's own selection (GPU checks feed the
-        engine's kept sets to isolate compaction + attention from bf16 scoring near-ties)."""
+        `keep_override` (per layer [H, E] bool; None for a layer that does not evict) replaces the
+        reference's own selection (GPU checks feed the engine's kept sets to isolate compaction + attention
+        from bf16 scoring near-ties). `forced`: decode these tokens instead of the greedy ones (teacher
+        forcing: `gaps` then says how far each is from the reference's best; a bf16 engine's tokens part from
+        an exact decoder's at near-ties)."""
         n = len(prompt_ids)
         E = n if evict_at is None else min(evict_at, n)
-        per_layer, last_hidden = prefill if prefill is not None else self.prefill(prompt_ids[:E])
-        kv = []
-        kept_per_layer = []
-        for layer_idx, (q, k, v) in enumerate(per_layer):
-            keep = None
+        per_layer, logits = prefill if prefill is not None else self.prefill(prompt_ids[:E])
+        keep = [None] * self.num_layers
+        for layer, (q, k, v) in enumerate(per_layer):
             if keep_override is not None:
-                keep = keep_override[layer_idx].to(k.device)
-            elif config is not None and config.num_pages(E, page_size) is not None:
+                keep[layer] = None if keep_override[layer] is None else keep_override[layer].to(k.device)
+            elif self.evicts[layer] and config is not None and config.num_pages(E, page_size) is not None:
                 w = config.window_size()
                 scores = score_tokens(config.policy, q[E - w:] if w else q[:0], k, v, scale=self.scale,
-                                      context=self._context(layer_idx, torch.arange(E).expand(self.num_kv_heads, E),
+                                      context=self._context(layer, torch.arange(E).expand(self.num_kv_heads, E),
                                                             0, config),
                                       **config.score_options())
-                keep = select_tokens(scores, config.budget, page_size=page_size, **config.select_options())
-            keys = [k[:, h] if keep is None else k[keep[h], h] for h in range(self.num_kv_heads)]
-            values = [v[:, h] if keep is None else v[keep[h], h] for h in range(self.num_kv_heads)]
-            kv.append((keys, values))
-            kept_per_layer.append([kh.shape[0] for kh in keys])
-        return self._decode(kv, last_hidden, list(prompt_ids[E:]), E, max_tokens, kept_per_layer)
+                keep[layer] = select_tokens(scores, config.budget, page_size=page_size, **config.select_options())
+        stores = self._layers_from(per_layer, keep)
+        kept_per_layer = [store.counts() for store in stores]
+        return self._decode(stores, logits, list(prompt_ids[E:]), E, max_tokens, kept_per_layer, forced)
 
     @torch.no_grad()
-    def replay(self, prompt_ids: list[int], max_tokens: int, spec, page_size: int = 16) -> ReferenceResult:
+    def replay(self, prompt_ids: list[int], max_tokens: int, spec, page_size: int = 16,
+               forced: list[int] | None = None) -> ReferenceResult:
         """Greedy tokens of a request that compacts at DESIGN.md §4.8's points (`spec`: request_config.RequestEviction;
         under Ada-KV each head holds its own number of tokens after a point): its prompt eviction (one-shot at E, or block-wise in chunks of C tokens: each
         chunk attends to what its layer holds plus itself, and every chunk end past P pages compacts), then
         a decode point after the forward that writes each C_d-th generated token's K/V. At a point each head
-        scores what it holds (under protect_prompt only its generated tokens) with the window queries of
-        the last w of them, kept from when they were processed, and keeps its best P (P_d) pages.
-        kept_per_layer: what each head holds at the end."""
-        model, config = self.model.model, spec.config
+        of a full-attention layer scores what it holds (under protect_prompt only its generated tokens) with
+        the window queries of the last w of them, kept from when they were processed, and keeps its best P
+        (P_d) pages. kept_per_layer: what each head holds at the end. `forced`: as in `generate`."""
+        config = spec.config
         self._near_ties = 0
         n = len(prompt_ids)
         E = spec.eviction_point(n)
         pages = config.num_pages(E, page_size)
         chunk = spec.chunk_tokens(page_size) if pages else 0
         decode_every = spec.decode_tokens(page_size)
-        H = self.num_kv_heads
-        empty = torch.empty(0, self.head_dim, device=self.device)
-        # per layer: per head keys, values and original positions; the query of every position seen
-        kv = [([empty] * H, [empty] * H) for _ in model.layers]
-        positions = [[torch.empty(0, dtype=torch.int64)] * H for _ in model.layers]
-        queries = [{} for _ in model.layers]
+        stores = [LayerKV.empty(self.num_kv_heads, self.head_dim, self.device, self.model.dtype)
+                  for _ in range(self.num_layers)]
         points = 0
 
         def forward(ids: list[int], start: int, point: str | None):
             """One forward of tokens ids at positions start.. (causal over what each layer holds), then
-            the compaction `point` ("prompt" / "decode") of every layer; the last hidden state."""
+            the compaction `point` ("prompt" / "decode") of every full-attention layer; the last logits."""
             nonlocal points
-            hidden = model.embed_tokens(torch.tensor(ids, device=self.device))
             pos = torch.arange(start, start + len(ids), device=self.device)
-            for index, (layer, (keys, values)) in enumerate(zip(model.layers, kv)):
-                q, k, v = self._layer_qkv(layer, hidden, pos)
-                held = [kh.shape[0] for kh in keys]  # each head's (Ada-KV: uneven)
+
+            def attend(layer, q, k, v):
+                store = stores[layer]
                 for t, p in enumerate(pos.tolist()):
-                    queries[index][p] = q[t]
-                keys[:] = [torch.cat([keys[h], k[:, h]]) for h in range(H)]
-                values[:] = [torch.cat([values[h], v[:, h]]) for h in range(H)]
-                positions[index][:] = [torch.cat([positions[index][h], pos.cpu()]) for h in range(H)]
-                hidden = self._finish_layer(layer, hidden, self._attend(q, keys, values, causal_offset=held))
-                if point is not None:
-                    self._compact(index, keys, values, positions[index], queries[index], spec, point, points,
-                                  pages, n, page_size)
+                    store.queries[p] = q[t]
+                store.append(k, v, pos)
+                out = self._attend(layer, q, store, pos)
+                if point is not None and self.evicts[layer]:
+                    self._compact(layer, store, spec, point, points, pages, n, page_size)
+                return out
+
+            logits = self._forward(ids, start, attend)
             if point is not None:
                 points += 1
-            return hidden[-1:]
+            return logits
 
         if pages is None:  # no prompt eviction: prefill, then the decode points
-            last_hidden, done = forward(prompt_ids, 0, None), n
+            logits, done = forward(prompt_ids, 0, None), n
         elif chunk:
             for start in range(0, n, chunk):
                 end = min(start + chunk, n)
                 over = end > pages * page_size  # every chunk end past P pages (DESIGN.md §4.3)
-                last_hidden = forward(prompt_ids[start:end], start, "prompt" if over else None)
+                logits = forward(prompt_ids[start:end], start, "prompt" if over else None)
             done = n
         else:
-            last_hidden, done = forward(prompt_ids[:E], 0, "prompt"), E
-        tokens, logprobs, top5 = [], [], []
+            logits, done = forward(prompt_ids[:E], 0, "prompt"), E
+        result = ReferenceResult([], [], [], [], 0)
         pending = list(prompt_ids[done:])
-        while len(tokens) < max_tokens:
+        while len(result.token_ids) < max_tokens:
             if not pending:
-                tok = self._greedy(last_hidden, tokens, logprobs, top5)
-                pending = [tok]
-                if len(tokens) == max_tokens:
+                pending = [self._greedy(logits, result, forced)]
+                if len(result.token_ids) == max_tokens:
                     break
             written = done + 1 - n  # generated tokens whose K/V this forward writes
             point = "decode" if decode_every and written > 0 and written % decode_every == 0 else None
-            last_hidden = forward([pending.pop(0)], done, point)
+            logits = forward([pending.pop(0)], done, point)
             done += 1
-        kept_per_layer = [[kh.shape[0] for kh in keys] for keys, _ in kv]
-        return ReferenceResult(tokens, logprobs, top5, kept_per_layer, self._near_ties)
+        result.kept_per_layer, result.near_ties = [store.counts() for store in stores], self._near_ties
+        return result
 
     def _context(self, layer: int, positions: torch.Tensor, index: int, config):
         """Where a layer's scored tokens sit (DESIGN.md §4.8 e): original positions [H, n], heads 0..H_kv-1,
@@ -199,13 +260,14 @@ class ReferenceDecoder:
         return TokenContext(positions=positions, heads=torch.arange(H), layers=torch.full((H,), layer),
                             compaction=index, seed=config.seed or 0)
 
-    def _compact(self, layer: int, keys: list, values: list, positions: list, queries: dict, spec, point: str,
-                 index: int, pages: int | None, n: int, page_size: int) -> None:
+    def _compact(self, layer: int, store: LayerKV, spec, point: str, index: int, pages: int | None, n: int,
+                 page_size: int) -> None:
         """Compaction point `index` of one layer (DESIGN.md §4.8 a): each head keeps its best pages of its candidates
         (under Ada-KV the heads may hold different counts: scored padded to the longest, with their lengths)."""
         config = spec.config
         H = self.num_kv_heads
-        counts = [p.shape[0] for p in positions]
+        keys, values, positions = store.keys, store.values, store.positions
+        counts = store.counts()
         fixed = 0
         if point == "decode" and spec.protect_prompt:
             prompt_held = {int((p < n).sum()) for p in positions}
@@ -222,7 +284,7 @@ class ReferenceDecoder:
         m = counts[0] - fixed
         w = min(config.window_size(), m if lengths is None else int(lengths.min()))
         window_positions = cand[0, m - w: m].tolist()  # the last w held: the same tokens in every head
-        q_window = torch.stack([queries[p] for p in window_positions]) if w else None
+        q_window = torch.stack([store.queries[p] for p in window_positions]) if w else None
         sink = int((cand[0, :m] < config.sink_size()).sum())
         context = self._context(layer, cand, index, config)
         scores = score_tokens(config.policy, q_window, k_all[fixed:], v_all[fixed:], scale=self.scale,
@@ -240,38 +302,37 @@ class ReferenceDecoder:
         values[:] = [v_all[keep[h].to(v_all.device), h] for h in range(H)]
         positions[:] = [held[h][keep[h]] for h in range(H)]
 
-    def _greedy(self, last_hidden, tokens: list[int], logprobs: list[float], top5: list[list[int]]) -> int:
-        """The greedy token after `last_hidden`, appended with its logprob and the top 5 to the lists."""
-        logp = self.model.lm_head(self.model.model.norm(last_hidden))[0].float().log_softmax(-1)
-        tok = int(torch.argmax(logp))
-        tokens.append(tok)
-        logprobs.append(float(logp[tok]))
-        top5.append(logp.topk(5).indices.tolist())
+    def _greedy(self, logits: torch.Tensor, result: ReferenceResult, forced: list[int] | None) -> int:
+        """The greedy token of `logits` (or the next forced one), appended to `result` with its logprob,
+        the top 5 and its gap to the best."""
+        logp = logits.log_softmax(-1)
+        best = int(torch.argmax(logp))
+        tok = best if forced is None else forced[len(result.token_ids)]
+        result.token_ids.append(tok)
+        result.logprobs.append(float(logp[tok]))
+        result.top5.append(logp.topk(5).indices.tolist())
+        result.gaps.append(float(logp[best] - logp[tok]))
         return tok
 
-    def _decode(self, kv, last_hidden, pending: list[int], pos: int, max_tokens: int,
-                kept_per_layer: list[list[int]]) -> ReferenceResult:
-        """Token by token over the per-head caches `kv` from position `pos`: the `pending` prompt tokens
-        (the rest of the prompt after evict_at), then greedy decoding from `last_hidden`."""
-        model = self.model.model
-        tokens, logprobs, top5 = [], [], []
-        while len(tokens) < max_tokens:
+    def _decode(self, stores: list[LayerKV], logits, pending: list[int], pos: int, max_tokens: int,
+                kept_per_layer: list[list[int]], forced: list[int] | None = None) -> ReferenceResult:
+        """Token by token over the per-layer stores from position `pos`: the `pending` prompt tokens (the
+        rest of the prompt after evict_at), then greedy (or forced) decoding from `logits`."""
+        result = ReferenceResult([], [], [], kept_per_layer)
+        while len(result.token_ids) < max_tokens:
             if not pending:
-                tok = self._greedy(last_hidden, tokens, logprobs, top5)
-                pending = [tok]
-                if len(tokens) == max_tokens:
+                pending = [self._greedy(logits, result, forced)]
+                if len(result.token_ids) == max_tokens:
                     break
-            tok = pending.pop(0)
-            hidden = model.embed_tokens(torch.tensor([tok], device=self.device))
-            for layer, (keys, values) in zip(model.layers, kv):
-                q, k, v = self._layer_qkv(layer, hidden, torch.tensor([pos], device=self.device))
-                for h in range(self.num_kv_heads):
-                    keys[h] = torch.cat([keys[h], k[:, h]])
-                    values[h] = torch.cat([values[h], v[:, h]])
-                hidden = self._finish_layer(layer, hidden, self._attend(q, keys, values, causal_offset=None))
-            last_hidden = hidden
+            at = torch.tensor([pos], device=self.device)
+
+            def attend(layer, q, k, v):
+                stores[layer].append(k, v, at)
+                return self._attend(layer, q, stores[layer], at)
+
+            logits = self._forward([pending.pop(0)], pos, attend)
             pos += 1
-        return ReferenceResult(tokens, logprobs, top5, kept_per_layer)
+        return result
 
 
 def near_ties(scores: torch.Tensor, keep: torch.Tensor, exact: bool) -> int:

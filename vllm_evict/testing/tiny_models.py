@@ -2,7 +2,9 @@
 
 `ensure_tiny_model("llama"|"qwen2")` writes a GQA model (4 query / 2 KV heads, head_dim 64, random
 weights from a fixed seed) with a byte-level BPE tokenizer trained with `tokenizers` and a ChatML
-chat template. `write_real_config("llama-3.1-8b"|"qwen2.5-7b")` writes only config + tokenizer for
+chat template. The hybrid kinds have the same heads: "gemma3" (5 sliding-window layers of 32 tokens to
+1 full-attention layer, twice; float32) and "gpt-oss" (sliding window 32 alternating with full
+attention, attention sinks, a 4-expert MoE; bfloat16, the dtype vLLM's CPU sinks need). `write_real_config("llama-3.1-8b"|"qwen2.5-7b")` writes only config + tokenizer for
 `load_format="dummy"` runs with real shapes.
 """
 
@@ -25,7 +27,15 @@ TINY_SHAPES = {
                   num_key_value_heads=2, head_dim=64),
     "qwen2": dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                   num_key_value_heads=2),
+    "gemma3": dict(num_hidden_layers=6, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64, sliding_window=32,
+                   layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2
+                   + ["full_attention"]),
+    "gpt-oss": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, sliding_window=32, num_local_experts=4,
+                    num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2),
 }
+TINY_DTYPES = {"gpt-oss": "bfloat16"}  # vLLM's CPU attention takes sinks in bf16 only
 
 REAL_CONFIGS = {
     "llama-3.1-8b": dict(
@@ -77,14 +87,18 @@ def _build_tokenizer(vocab_size: int):
 
 
 def _config(kind: str, vocab_size: int, tok):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, GptOssConfig, LlamaConfig, Qwen2Config
 
-    common = dict(vocab_size=vocab_size, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
+    common = dict(vocab_size=vocab_size, max_position_embeddings=4096, rms_norm_eps=1e-6,
                   tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                  pad_token_id=tok.pad_token_id, torch_dtype="float32", **TINY_SHAPES[kind])
+                  pad_token_id=tok.pad_token_id, torch_dtype=TINY_DTYPES.get(kind, "float32"), **TINY_SHAPES[kind])
     if kind == "llama":
-        return LlamaConfig(**common)
-    return Qwen2Config(use_sliding_window=False, **common)
+        return LlamaConfig(rope_theta=10000.0, **common)
+    if kind == "gemma3":
+        return Gemma3TextConfig(architectures=["Gemma3ForCausalLM"], **common)
+    if kind == "gpt-oss":
+        return GptOssConfig(architectures=["GptOssForCausalLM"], **common)
+    return Qwen2Config(use_sliding_window=False, rope_theta=10000.0, **common)
 
 
 def ensure_tiny_model(kind: str = "llama", cache_dir: str | Path | None = None, seed: int = 0) -> Path:
@@ -102,15 +116,18 @@ def ensure_tiny_model(kind: str = "llama", cache_dir: str | Path | None = None, 
     vocab_size = len(tok)
     config = _config(kind, vocab_size, tok)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, TINY_DTYPES.get(kind, "float32")))
     with torch.no_grad():  # larger-than-default weights give peaked, input-dependent attention
         for name, p in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.normal_(0.0, 0.08)
+            elif name.endswith("sinks"):  # sinks that take a visible share of each softmax
+                p.normal_(0.0, 1.0)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     cfg = json.loads((path / "config.json").read_text())
-    cfg.setdefault("rope_theta", 10000.0)  # transformers 5 may write only rope_parameters
+    if kind in ("llama", "qwen2"):
+        cfg.setdefault("rope_theta", 10000.0)  # transformers 5 may write only rope_parameters
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     (path / "READY").write_text("ok\n")
     return path

@@ -1,0 +1,138 @@
+"""The hybrid-model engine checks, shared by test_hybrid_gemma3.py and test_hybrid_gpt_oss.py (one engine per
+module): a model with sliding-window layers beside its full-attention ones evicts the full-attention KV
+cache group only, and its tokens follow the independent reference decoder (vllm_evict.testing.reference),
+which runs the same HF model with attention it computes itself (sliding window, sinks).
+
+`exact`: tokens and logprobs equal the reference's (a float32 model). A bf16 model (GPT-OSS on vLLM's CPU
+platform) parts from an exact decoder at near-ties, so its tokens are checked by teacher forcing instead:
+each engine token, fed to the reference, is within BF16_GAP of the reference's best at every step and
+within BF16_MEAN_GAP on average (the tokens of no eviction, fed to an evicting request's reference, fit
+it worse than the engine's own).
+"""
+
+from __future__ import annotations
+
+import random
+
+from tests.engine.test_eviction import check_against_reference, params, random_prompt, scheduler_of
+
+PAGE = 16
+MAX_TOKENS = 24
+BF16_GAP, BF16_MEAN_GAP = 0.75, 0.1  # logprob gaps of a bf16 engine's tokens under the exact reference
+
+ONE_SHOT = [{"policy": "snapkv", "budget": 0.25}, {"policy": "snapkv", "budget": 0.25, "allocation": "adakv"},
+            {"policy": "keydiff", "budget": 0.3}, {"policy": "tova", "budget": 0.3, "allocation": "adakv"}]
+AGAIN = [{"policy": "snapkv", "budget": 0.5, "chunked": True},
+         {"policy": "keydiff", "budget": 0.5, "chunked": True, "allocation": "adakv"},
+         {"policy": "snapkv", "decode_budget": 48, "decode_every": 16},
+         {"policy": "tova", "budget": 0.5, "decode_budget": 64, "decode_every": 16, "allocation": "adakv"}]
+
+
+def spec_of(case: dict):
+    from vllm_evict.engine.request_config import parse_request
+
+    return parse_request({"vllm_evict": case})
+
+
+def check(out, expected_of, exact: bool, label: str, full=None) -> None:
+    """out equals the reference (exact), or its tokens stay within the bf16 gaps under teacher forcing;
+    expected_of(forced) runs the reference (forced: the tokens to feed, or None for greedy)."""
+    if exact:
+        check_against_reference(out, expected_of(None), label)
+        return
+    tokens = list(out.outputs[0].token_ids)
+    gaps = expected_of(tokens).gaps
+    assert max(gaps) <= BF16_GAP and sum(gaps) / len(gaps) <= BF16_MEAN_GAP, f"{label}: gaps {gaps}"
+    if full is not None and full != tokens:  # the whole cache's tokens fit this eviction's reference worse
+        assert sum(expected_of(full).gaps) > sum(gaps), label
+
+
+def idle(engine) -> bool:
+    scheduler = scheduler_of(engine)
+    pool = scheduler.kv_cache_manager.block_pool
+    return pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 and not scheduler.evictions
+
+
+def check_only_full_attention_is_evicted(engine) -> None:
+    """The scheduler compacts the one full-attention group and leaves the sliding-window groups alone."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    scheduler = scheduler_of(engine)
+    groups = scheduler.kv_cache_config.kv_cache_groups
+    assert scheduler.refusal is None and len(groups) > 1
+    evicted = scheduler.kv_cache_manager.group
+    assert type(groups[evicted.index].kv_cache_spec) is FullAttentionSpec
+    assert all(isinstance(g.kv_cache_spec, SlidingWindowSpec) for i, g in enumerate(groups) if i != evicted.index)
+
+
+def check_one_shot_mixed_batch(engine, reference, exact: bool, seed: int = 0) -> None:
+    """[plain, 100% budget] + one-shot cases + [plain] on one prompt (longer than a prefill chunk and than
+    the sliding window): plain and 100% runs give the tokens of no eviction; every case follows the
+    reference, frees blocks of the full-attention group only, and the pool returns to idle."""
+    prompt = random_prompt(seed, 300)
+    requests = [None, {"policy": "snapkv", "budget": 1.0}, *ONE_SHOT, None]
+    outputs = engine.generate([{"prompt_token_ids": prompt}] * len(requests), [params(c, MAX_TOKENS) for c in requests])
+    prefill = reference.prefill(prompt)
+    full = reference.generate(prompt, MAX_TOKENS, prefill=prefill)
+    plain = list(outputs[0].outputs[0].token_ids)
+    check(outputs[0], lambda forced: reference.generate(prompt, MAX_TOKENS, prefill=prefill, forced=forced), exact,
+          "no eviction")
+    for out in outputs[1], outputs[-1]:
+        assert list(out.outputs[0].token_ids) == plain
+    assert (outputs[1].kv_transfer_params or {}).get("vllm_evict", {}).get("evicted", False) is False
+    from vllm_evict.policies import EvictionConfig
+
+    changed = 0
+    for case, out in zip(ONE_SHOT, outputs[2:-1]):
+        config = EvictionConfig.from_dict(case)
+        check(out, lambda forced: reference.generate(prompt, MAX_TOKENS, config, page_size=PAGE, prefill=prefill,
+                                                     forced=forced), exact, str(case), full=plain)
+        report = out.kv_transfer_params["vllm_evict"]
+        assert report["blocks_freed"] > 0 and report["blocks_after"] == -(-300 * case["budget"] // PAGE), report
+        changed += list(out.outputs[0].token_ids) != plain
+    assert changed >= len(ONE_SHOT) // 2 and full.token_ids
+    assert idle(engine)
+
+
+def check_evicting_again(engine, reference, exact: bool, seed: int = 1) -> None:
+    """Block-wise and decode-time eviction, uniform and Ada-KV, in one batch with a plain request: each
+    follows the reference's replay of its compaction points (two decode points in bf16, whose kept sets
+    drift from an exact decoder's with every point; four in float32)."""
+    prompt = random_prompt(seed, 200)
+    max_tokens = 64 if exact else 36
+    requests = [None, *AGAIN]
+    outputs = engine.generate([{"prompt_token_ids": prompt}] * len(requests), [params(c, max_tokens) for c in requests])
+    plain = list(outputs[0].outputs[0].token_ids)
+    for case, out in zip(AGAIN, outputs[1:]):
+        check(out, lambda forced: reference.replay(prompt, max_tokens, spec_of(case), page_size=PAGE, forced=forced),
+              exact, str(case), full=plain)
+        report = out.kv_transfer_params["vllm_evict"]
+        if "decode_budget" in case:
+            assert report["decode_compactions"] >= 2 and report["decode_blocks_freed"] > 0, (case, report)
+        else:
+            assert report["compactions"] >= 2 and report["blocks_freed"] > 0, (case, report)
+    assert idle(engine)
+
+
+def check_aborts_leak_nothing(engine, seed: int = 2) -> None:
+    """Requests aborted at random steps (mid-prefill, around compaction, mid-decode) return every block of
+    every group."""
+    from vllm import SamplingParams
+
+    rng = random.Random(seed)
+    llm_engine = engine.llm_engine
+    cases = ONE_SHOT + AGAIN
+    ids = []
+    for i, case in enumerate(cases * 2):
+        req_id = f"abort-{seed}-{i}"
+        llm_engine.add_request(req_id, {"prompt_token_ids": random_prompt(100 + i, rng.randrange(150, 400))},
+                               SamplingParams(temperature=0, max_tokens=48, ignore_eos=True,
+                                              extra_args={"vllm_evict": case}))
+        ids.append((req_id, rng.randrange(1, 30)))
+    step = 0
+    while llm_engine.has_unfinished_requests():
+        llm_engine.abort_request([req_id for req_id, at in ids if at == step])
+        llm_engine.step()
+        step += 1
+        assert step < 500
+    assert idle(engine)

@@ -1,0 +1,48 @@
+"""Eviction on a hybrid model with sliding-window layers: tiny random Gemma 3 (two sliding-window layers of
+32 tokens to one full-attention layer, float32) on vLLM's CPU platform against the reference decoder
+(tests/engine/hybrid.py). One engine for the module."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine import hybrid
+from tests.engine.inprocess import inprocess_llm
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def model():
+    from vllm_evict.testing.tiny_models import ensure_tiny_model
+
+    return ensure_tiny_model("gemma3")
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    with inprocess_llm(model, block_size=hybrid.PAGE, max_model_len=1024, max_num_batched_tokens=256) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    from vllm_evict.testing.reference import ReferenceDecoder
+
+    return ReferenceDecoder(model)
+
+
+def test_only_the_full_attention_group_is_evicted(engine):
+    hybrid.check_only_full_attention_is_evicted(engine)
+
+
+def test_one_shot_eviction_matches_the_reference_in_a_mixed_batch(engine, reference):
+    hybrid.check_one_shot_mixed_batch(engine, reference, exact=True)
+
+
+def test_block_wise_and_decode_time_eviction_match_the_reference(engine, reference):
+    hybrid.check_evicting_again(engine, reference, exact=True)
+
+
+def test_aborted_requests_return_every_group_s_blocks(engine):
+    hybrid.check_aborts_leak_nothing(engine)

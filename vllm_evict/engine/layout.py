@@ -1,0 +1,113 @@
+"""Which part of a model's KV cache eviction compacts, and why a model cannot evict.
+
+vLLM groups a model's attention layers by the kind of cache they keep (its KV cache groups: one block
+table each, one shared block pool). Eviction compacts the **full-attention group**: the layers whose KV
+grows with the context. Every other group keeps vLLM's own handling: a sliding-window group already holds
+at most its window (vLLM drops its blocks as they leave it), a linear-attention (Mamba, Gated DeltaNet)
+group a fixed state. So a hybrid model (GPT-OSS, Gemma 3, Qwen3-Next) evicts its full-attention layers
+and leaves the others as they are; a dense GQA model is the case of one group.
+
+A model whose layout eviction cannot handle is refused by name: at engine start (a warning, or an error
+when the server sets a default eviction), and per request (an `eviction` object gets a 400 naming the
+layout; `policy: none` still passes). `model_refusal` reads what the API process knows (the model's
+config); `evicted_group` reads the KV cache groups the engine core built, which may refuse more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EvictedGroup:
+    """The KV cache group eviction compacts, and the model's group count (several: a hybrid model)."""
+
+    index: int
+    num_groups: int
+    hits_cut_at_pages: bool = True  # a prefix-cache hit can be cut at any page (no linear-attention state)
+    window_blocks: int = 0          # the most blocks a sliding-window group's hit must hold before its end
+
+    @property
+    def hybrid(self) -> bool:
+        return self.num_groups > 1
+
+
+def model_refusal(model_config, scheduler_config=None) -> str | None:
+    """Why this model's KV layout cannot evict, from its config alone (None: it can, as far as the config
+    tells; the KV cache groups are checked again at engine start, `evicted_group`)."""
+    if model_config is None:
+        return None
+    name = ", ".join(getattr(model_config.hf_config, "architectures", None) or []) or model_config.model
+    if getattr(model_config, "is_attention_free", False):
+        return f"{name} has no attention layers (no KV cache to evict)"
+    if getattr(model_config, "use_mla", False):
+        return (f"{name} uses multi-head latent attention (MLA): one latent vector per token serves every "
+                "head, and per-KV-head eviction of it is not supported in this version")
+    text = model_config.hf_text_config
+    if getattr(text, "num_kv_shared_layers", 0):
+        return (f"{name} has layers that read another layer's KV cache (num_kv_shared_layers="
+                f"{text.num_kv_shared_layers}); eviction of shared caches is not supported in this version")
+    if scheduler_config is not None and getattr(scheduler_config, "disable_hybrid_kv_cache_manager", False) \
+            and _has_window_layers(text):
+        return (f"{name} has sliding-window layers and the hybrid KV cache manager is disabled, so they share "
+                "the full-attention layers' blocks; start without --disable-hybrid-kv-cache-manager to evict")
+    return None
+
+
+def _has_window_layers(text_config) -> bool:
+    layer_types = getattr(text_config, "layer_types", None) or []
+    return any("sliding" in str(kind) or "local" in str(kind) for kind in layer_types) or bool(
+        getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True))
+
+
+def is_full_attention(spec) -> bool:
+    """A cache spec eviction compacts: plain full attention (not a window, chunked-local, latent or
+    quantized-in-another-format subclass)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return (type(spec) is FullAttentionSpec and spec.sliding_window is None
+            and spec.attention_chunk_size is None)
+
+
+def evicted_group(kv_cache_config) -> tuple[EvictedGroup | None, str | None]:
+    """(the group eviction compacts, None) or (None, why the model cannot evict) for the KV cache groups
+    the engine built."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, SlidingWindowSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    full = [i for i, group in enumerate(groups) if is_full_attention(group.kv_cache_spec)]
+    kinds = ", ".join(f"{type(g.kv_cache_spec).__name__} x{len(g.layer_names)}" for g in groups)
+    if not full:
+        return None, f"no full-attention KV cache group (groups: {kinds or 'none'})"
+    if len(full) > 1:
+        return None, (f"{len(full)} full-attention KV cache groups (groups: {kinds}); this version evicts "
+                      "one")
+    for i, group in enumerate(groups):
+        if i != full[0] and not isinstance(group.kv_cache_spec, (AttentionSpec, MambaSpec)):
+            return None, (f"a KV cache group eviction cannot run beside: {type(group.kv_cache_spec).__name__} "
+                          f"(groups: {kinds})")
+    cut = not any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups)
+    windows = [-(-g.kv_cache_spec.sliding_window // g.kv_cache_spec.block_size) + 1 for g in groups
+               if isinstance(g.kv_cache_spec, SlidingWindowSpec)]
+    return EvictedGroup(index=full[0], num_groups=len(groups), hits_cut_at_pages=cut,
+                        window_blocks=max(windows, default=0)), None
+
+
+def other_group_blocks(kv_cache_config, evicted: EvictedGroup, num_tokens: int) -> int:
+    """Blocks the groups eviction leaves alone hold for a request of `num_tokens` tokens at most: a
+    sliding window's blocks (vLLM frees the rest as they leave it), a linear-attention group's state
+    blocks (at most one per block of tokens, with prefix caching), anything else its whole sequence."""
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    total = 0
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        if i == evicted.index:
+            continue
+        spec = group.kv_cache_spec
+        blocks = -(-num_tokens // spec.block_size)
+        if isinstance(spec, SlidingWindowSpec):
+            blocks = min(blocks, -(-(spec.sliding_window - 1) // spec.block_size) + 1)
+        elif isinstance(spec, MambaSpec) and spec.mamba_cache_mode != "all":
+            blocks = min(blocks, (1 if spec.mamba_cache_mode == "none" else 2) + spec.num_speculative_blocks)
+        total += blocks
+    return total
