@@ -641,6 +641,17 @@ def suite_memory(args, drv: Driver, deadline: float) -> dict:
     return {"rows": rows, "kv_pool_tokens": pool * 16}
 
 
+def kv_cache_groups(scheduler) -> list[dict]:
+    """The engine's KV cache groups (one block pool for all): the arithmetic of a hybrid model's capacity."""
+    groups = []
+    for group in scheduler.kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        groups.append({"spec": type(spec).__name__, "layers": len(group.layer_names), "block_size": spec.block_size,
+                       "sliding_window": getattr(spec, "sliding_window", None),
+                       "page_bytes": spec.page_size_bytes})
+    return groups
+
+
 SUITES = {"latency": suite_latency, "load": suite_load, "capacity": suite_capacity, "e2e": suite_e2e,
           "prefill": suite_prefill, "memory": suite_memory, "decode": suite_decode, "limit": suite_limit}
 
@@ -671,6 +682,7 @@ def run_one(args) -> dict:
     result.update(engine=args.engine, suite=args.suite, policy=None if args.engine == "vanilla" else args.policy,
                   engine_start_s=start_s, kv_tokens_total=blocks * 16,
                   cudagraph_mode=str(engine.vllm_config.compilation_config.cudagraph_mode),
+                  kv_cache_groups=kv_cache_groups(sched),
                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), argv=sys.argv[1:])
     return result
@@ -705,6 +717,19 @@ AT_CAPACITY_32K = ["--prompt-len", "32768", "--max-tokens", "256", "--num-reques
 E2E_16K = ["--shapes", "16384:512:64"]
 FP8 = ["--kv-cache-dtype", "fp8"]
 BLOCKWISE_POOL = ["--kv-cache-memory-bytes", str(8 << 30), "--memory-lengths", "32768", "65000", "131000"]
+
+
+# hybrid models (sliding-window layers beside full attention; eviction compacts the full-attention KV cache
+# group only): concurrent 32K requests until the first preemption (vanilla; DropKV 10% uniform with a shared
+# prefix), then LEN x N end to end with the physical limit, on one engine start each
+HYBRID_32K = ["--prompt-len", "32768", "--max-tokens", "4096", "--max-model-len", "36864", "--max-num-seqs", "1024"]
+
+
+def _hybrid_plan(vanilla_requests: int, shape: str, seconds: int) -> list[tuple]:
+    e2e = ["--shapes", shape]
+    return [("vanilla", "capacity,e2e", HYBRID_32K + ["--num-requests", str(vanilla_requests)] + e2e, seconds),
+            ("evict", "capacity,e2e", HYBRID_32K + ["--shared-prefix", "--capacity-configs", "0.1:uniform"] + e2e,
+             seconds)]
 
 
 def _decode_configs(*configs: dict) -> list[str]:
@@ -798,7 +823,11 @@ PLANS = {
         ("evict", "capacity", ["--prompt-len", "65536", "--max-tokens", "4096", "--max-model-len", "69632",
                                "--policy", "keydiff", "--capacity-configs", "0.25:uniform",
                                "--eviction-options", '{"chunked": true, "chunk_size": 512}'], 330)],
+    "hybrid-gpt-oss-20b": _hybrid_plan(36, "16384:512:64", 420),
+    "hybrid-gemma-3-12b": _hybrid_plan(24, "16384:512:32", 420),
 }
+# the model config a plan runs (vllm_evict.testing.tiny_models.REAL_CONFIGS; default Llama-3.1-8B)
+PLAN_MODELS = {"hybrid-gpt-oss-20b": "gpt-oss-20b", "hybrid-gemma-3-12b": "gemma-3-12b"}
 
 
 def vanilla_path() -> str:
@@ -816,8 +845,11 @@ def run_plan(args) -> int:
 
     from vllm_evict.testing.tiny_models import write_real_config
 
-    model = ["--model", str(write_real_config("llama-3.1-8b", Path(args.workdir)))] if torch.cuda.is_available() else []
+    config = PLAN_MODELS.get(args.plan, "llama-3.1-8b")
+    model = ["--model", str(write_real_config(config, Path(args.workdir)))] if torch.cuda.is_available() else []
     for i, (engine, suite, extra, seconds) in enumerate(PLANS[args.plan]):
+        if args.engines and engine not in args.engines:
+            continue
         out = out_dir / f"{args.plan}_{i}_{engine}_{suite.replace(',', '-')}.json"
         cmd = [sys.executable, __file__, "one", "--engine", engine, "--suite", suite, "--out", str(out),
                "--time-limit", str(seconds - 60), *model, *extra, *args.extra]
@@ -852,6 +884,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--plan", choices=sorted(PLANS), required=True)
     r.add_argument("--out-dir", required=True)
     r.add_argument("--workdir", default="/tmp/vllm-evict-bench", help="where the GPU model config is written")
+    r.add_argument("--engines", nargs="+", choices=["vanilla", "evict"], default=None,
+                   help="run only these engines of the plan (e.g. one per GPU, side by side)")
     r.add_argument("extra", nargs=argparse.REMAINDER, help="passed to every engine run")
     o = sub.add_parser("one", help="one engine, one suite")
     o.add_argument("--engine", choices=["vanilla", "evict"], required=True)

@@ -52,7 +52,26 @@ REAL_CONFIGS = {
         max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu",
         tie_word_embeddings=False, torch_dtype="bfloat16", use_sliding_window=False,
         bos_token_id=151643, eos_token_id=151645),
+    # hybrids, written through transformers' own config class (its layer_types and rope_parameters)
+    "gpt-oss-20b": dict(  # unquantized (bf16 experts): the MXFP4 checkpoint's shapes
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidden_size=2880, intermediate_size=2880,
+        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+        num_experts_per_tok=4, sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12,
+        vocab_size=201088, max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=True,
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+        tie_word_embeddings=False, torch_dtype="bfloat16"),
+    "gemma-3-12b": dict(  # the text model of Gemma 3 12B: 5 sliding-window (1,024) layers to 1 global
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=3840, intermediate_size=15360,
+        num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        query_pre_attn_scalar=256, sliding_window=1024,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 8, vocab_size=262208,
+        max_position_embeddings=131072, rms_norm_eps=1e-6,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        tie_word_embeddings=True, torch_dtype="bfloat16"),
 }
+HYBRID_CONFIGS = ("gpt-oss-20b", "gemma-3-12b")
 
 
 def default_cache_dir() -> Path:
@@ -143,6 +162,10 @@ def write_real_config(name: str, cache_dir: str | Path | None = None) -> Path:
     tok.save_pretrained(path)
     cfg = dict(REAL_CONFIGS[name])
     cfg["bos_token_id"], cfg["eos_token_id"] = tok.bos_token_id, tok.eos_token_id
+    if name in HYBRID_CONFIGS:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.for_model(**cfg).to_dict()
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
 

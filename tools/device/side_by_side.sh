@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One remote command on a machine of several GPUs: each JOB runs on a GPU of its own, all at once, so that
+# vanilla vLLM and vllm-evict (or several models) are measured in the same command on identical cards.
+#   JOB = PLAN:ENGINE (a benchmarks/serving.py plan's vanilla or evict engine), or test:PYTEST_ARGS
+#         (pytest arguments, spaces as commas), run on GPU index = the job's position.
+# usage: [COMMIT=sha] [BUDGET_S=570] bash tools/device/side_by_side.sh JOB...
+# Files back ($OUT): info.txt (GPUs, commit, jobs), JOB.log per job (warnings dropped), results.tgz (the JSONs).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+# shellcheck source=tools/device/device_env.sh
+source tools/device/device_env.sh || exit 2
+export VLLM_WORKER_MULTIPROC_METHOD=spawn
+budget=${BUDGET_S:-570}
+{ nvidia-smi --query-gpu=index,name --format=csv,noheader; echo "commit ${COMMIT:-unknown}"; echo "jobs $*";
+  date -u; } > "$OUT/info.txt"
+mkdir -p /tmp/side
+gpu=0
+for job in "$@"; do
+  name=$(echo "$job" | tr ':,/ ' '____')
+  if [[ $job == test:* ]]; then
+    args=${job#test:}
+    # from /tmp, the checkout appended to sys.path: the installed-layout mirror first (as device_calls.sh)
+    cmd="cd /tmp && python3 -m pytest -q -p no:cacheprovider --import-mode=append --rootdir $PWD -rfE \
+--tb=short $(for a in ${args//,/ }; do [[ $a == tests/* ]] && echo "$PWD/$a" || echo "$a"; done | tr '\n' ' ')"
+  else
+    cmd="python3 benchmarks/serving.py run --plan ${job%%:*} --engines ${job##*:} --out-dir /tmp/side/$name"
+  fi
+  echo "GPU $gpu: $cmd" >> "$OUT/info.txt"
+  (CUDA_VISIBLE_DEVICES=$gpu timeout $((budget - 10)) bash -c "$cmd" 2>&1 \
+     | grep -v -E "Warning|warnings.warn|^\s*$" > "$OUT/$name.log"; echo "rc ${PIPESTATUS[0]}" >> "$OUT/$name.log") &
+  gpu=$((gpu + 1))
+done
+wait
+tar -C /tmp/side -czf "$OUT/results.tgz" . 2>/dev/null
+date -u >> "$OUT/info.txt"
