@@ -23,7 +23,8 @@ for job in "$@"; do
     cmd="cd /tmp && python3 -m pytest -q -p no:cacheprovider --import-mode=append --rootdir $PWD -rfE \
 --tb=short $(for a in ${args//,/ }; do [[ $a == tests/* ]] && echo "$PWD/$a" || echo "$a"; done | tr '\n' ' ')"
   else
-    cmd="python3 benchmarks/serving.py run --plan ${job%%:*} --engines ${job##*:} --out-dir /tmp/side/$name"
+    # from /tmp too: vLLM's model-inspection subprocess must not find the checkout's vllm_evict/ in its cwd
+    cmd="cd /tmp && python3 $PWD/benchmarks/serving.py run --plan ${job%%:*} --engines ${job##*:} --out-dir /tmp/side/$name"
   fi
   echo "GPU $gpu: $cmd" >> "$OUT/info.txt"
   (CUDA_VISIBLE_DEVICES=$gpu timeout $((budget - 10)) bash -c "$cmd" 2>&1 \
