@@ -725,6 +725,13 @@ BLOCKWISE_POOL = ["--kv-cache-memory-bytes", str(8 << 30), "--memory-lengths", "
 HYBRID_32K = ["--prompt-len", "32768", "--max-tokens", "4096", "--max-model-len", "36864", "--max-num-seqs", "1024"]
 
 
+def _no_eviction_plan(num_requests: int) -> list[tuple]:
+    """The no-eviction tax: N x 16K in / 512 out without eviction, vanilla against the plugin's engine."""
+    load = ["--prompt-len", "16384", "--max-tokens", "512", "--num-requests", str(num_requests),
+            "--max-model-len", "16896"]
+    return [("vanilla", "load", load, 300), ("evict", "load", load + ["--policy", "none"], 300)]
+
+
 def _hybrid_plan(vanilla_requests: int, shape: str, seconds: int) -> list[tuple]:
     e2e = ["--shapes", shape]
     return [("vanilla", "capacity,e2e", HYBRID_32K + ["--num-requests", str(vanilla_requests)] + e2e, seconds),
@@ -825,9 +832,12 @@ PLANS = {
                                "--eviction-options", '{"chunked": true, "chunk_size": 512}'], 330)],
     "hybrid-gpt-oss-20b": _hybrid_plan(36, "16384:512:64", 420),
     "hybrid-gemma-3-12b": _hybrid_plan(24, "16384:512:32", 420),
+    "no-eviction-gpt-oss-20b": _no_eviction_plan(64),
+    "no-eviction-gemma-3-12b": _no_eviction_plan(32),
 }
 # the model config a plan runs (vllm_evict.testing.tiny_models.REAL_CONFIGS; default Llama-3.1-8B)
-PLAN_MODELS = {"hybrid-gpt-oss-20b": "gpt-oss-20b", "hybrid-gemma-3-12b": "gemma-3-12b"}
+PLAN_MODELS = {"hybrid-gpt-oss-20b": "gpt-oss-20b", "hybrid-gemma-3-12b": "gemma-3-12b",
+               "no-eviction-gpt-oss-20b": "gpt-oss-20b", "no-eviction-gemma-3-12b": "gemma-3-12b"}
 
 
 def vanilla_path() -> str:
