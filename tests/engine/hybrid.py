@@ -1,7 +1,9 @@
-"""The hybrid-model engine checks, shared by test_hybrid_gemma3.py and test_hybrid_gpt_oss.py (one engine per
-module): a model with sliding-window layers beside its full-attention ones evicts the full-attention KV
-cache group only, and its tokens follow the independent reference decoder (vllm_evict.testing.reference),
-which runs the same HF model with attention it computes itself (sliding window, sinks).
+"""The hybrid-model engine checks, shared by test_hybrid_gemma3.py, test_hybrid_gpt_oss.py and
+test_hybrid_qwen3_next.py (one engine per module): a model with sliding-window or linear-attention layers
+beside its full-attention ones evicts the full-attention KV cache group only, and its tokens follow the
+independent reference decoder (vllm_evict.testing.reference), which runs the same HF model with attention
+it computes itself (sliding window, sinks). Pages are the engine's blocks of the full-attention group (vLLM
+sizes them to a linear-attention state's bytes: 48 tokens on the tiny Qwen3-Next).
 
 `exact`: tokens and logprobs equal the reference's (a float32 model). A bf16 model (GPT-OSS on vLLM's CPU
 platform) parts from an exact decoder at near-ties, so its tokens are checked by teacher forcing instead:
@@ -16,16 +18,24 @@ import random
 
 from tests.engine.test_eviction import check_against_reference, params, random_prompt, scheduler_of
 
-PAGE = 16
+PAGE = 16  # the block size asked for (a model with linear attention gets vLLM's own)
 MAX_TOKENS = 24
 BF16_GAP, BF16_MEAN_GAP = 0.75, 0.1  # logprob gaps of a bf16 engine's tokens under the exact reference
 
 ONE_SHOT = [{"policy": "snapkv", "budget": 0.25}, {"policy": "snapkv", "budget": 0.25, "allocation": "adakv"},
             {"policy": "keydiff", "budget": 0.3}, {"policy": "tova", "budget": 0.3, "allocation": "adakv"}]
-AGAIN = [{"policy": "snapkv", "budget": 0.5, "chunked": True},
-         {"policy": "keydiff", "budget": 0.5, "chunked": True, "allocation": "adakv"},
-         {"policy": "snapkv", "decode_budget": 48, "decode_every": 16},
-         {"policy": "tova", "budget": 0.5, "decode_budget": 64, "decode_every": 16, "allocation": "adakv"}]
+
+
+def again(page: int) -> list[dict]:
+    """Block-wise and decode-time cases for pages of `page` tokens."""
+    return [{"policy": "snapkv", "budget": 0.5, "chunked": True},
+            {"policy": "keydiff", "budget": 0.5, "chunked": True, "allocation": "adakv"},
+            {"policy": "snapkv", "decode_budget": 3 * page, "decode_every": page},
+            {"policy": "tova", "budget": 0.5, "decode_budget": 4 * page, "decode_every": page, "allocation": "adakv"}]
+
+
+def page_of(engine) -> int:
+    return scheduler_of(engine).page_size
 
 
 def spec_of(case: dict):
@@ -54,22 +64,25 @@ def idle(engine) -> bool:
 
 
 def check_only_full_attention_is_evicted(engine) -> None:
-    """The scheduler compacts the one full-attention group and leaves the sliding-window groups alone."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    """The scheduler compacts the one full-attention group and leaves the sliding-window or linear-attention
+    groups alone."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     scheduler = scheduler_of(engine)
     groups = scheduler.kv_cache_config.kv_cache_groups
     assert scheduler.refusal is None and len(groups) > 1
     evicted = scheduler.kv_cache_manager.group
     assert type(groups[evicted.index].kv_cache_spec) is FullAttentionSpec
-    assert all(isinstance(g.kv_cache_spec, SlidingWindowSpec) for i, g in enumerate(groups) if i != evicted.index)
+    assert all(isinstance(g.kv_cache_spec, (SlidingWindowSpec, MambaSpec)) for i, g in enumerate(groups)
+               if i != evicted.index)
+    assert scheduler.page_size == groups[evicted.index].kv_cache_spec.block_size
 
 
 def check_one_shot_mixed_batch(engine, reference, exact: bool, seed: int = 0) -> None:
     """[plain, 100% budget] + one-shot cases + [plain] on one prompt (longer than a prefill chunk and than
     the sliding window): plain and 100% runs give the tokens of no eviction; every case follows the
     reference, frees blocks of the full-attention group only, and the pool returns to idle."""
-    prompt = random_prompt(seed, 300)
+    prompt, page = random_prompt(seed, 300), page_of(engine)
     requests = [None, {"policy": "snapkv", "budget": 1.0}, *ONE_SHOT, None]
     outputs = engine.generate([{"prompt_token_ids": prompt}] * len(requests), [params(c, MAX_TOKENS) for c in requests])
     prefill = reference.prefill(prompt)
@@ -85,10 +98,10 @@ def check_one_shot_mixed_batch(engine, reference, exact: bool, seed: int = 0) ->
     changed = 0
     for case, out in zip(ONE_SHOT, outputs[2:-1]):
         config = EvictionConfig.from_dict(case)
-        check(out, lambda forced: reference.generate(prompt, MAX_TOKENS, config, page_size=PAGE, prefill=prefill,
+        check(out, lambda forced: reference.generate(prompt, MAX_TOKENS, config, page_size=page, prefill=prefill,
                                                      forced=forced), exact, str(case), full=plain)
         report = out.kv_transfer_params["vllm_evict"]
-        assert report["blocks_freed"] > 0 and report["blocks_after"] == -(-300 * case["budget"] // PAGE), report
+        assert report["blocks_freed"] > 0 and report["blocks_after"] == -(-300 * case["budget"] // page), report
         changed += list(out.outputs[0].token_ids) != plain
     assert changed >= len(ONE_SHOT) // 2 and full.token_ids
     assert idle(engine)
@@ -98,13 +111,15 @@ def check_evicting_again(engine, reference, exact: bool, seed: int = 1) -> None:
     """Block-wise and decode-time eviction, uniform and Ada-KV, in one batch with a plain request: each
     follows the reference's replay of its compaction points (two decode points in bf16, whose kept sets
     drift from an exact decoder's with every point; four in float32)."""
-    prompt = random_prompt(seed, 200)
-    max_tokens = 64 if exact else 36
-    requests = [None, *AGAIN]
+    page = page_of(engine)
+    prompt = random_prompt(seed, 200 * page // PAGE)  # chunks of several pages past P pages
+    cases = again(page)
+    max_tokens = (64 if exact else 36) + 2 * (page - PAGE)  # two decode points at least
+    requests = [None, *cases]
     outputs = engine.generate([{"prompt_token_ids": prompt}] * len(requests), [params(c, max_tokens) for c in requests])
     plain = list(outputs[0].outputs[0].token_ids)
-    for case, out in zip(AGAIN, outputs[1:]):
-        check(out, lambda forced: reference.replay(prompt, max_tokens, spec_of(case), page_size=PAGE, forced=forced),
+    for case, out in zip(cases, outputs[1:]):
+        check(out, lambda forced: reference.replay(prompt, max_tokens, spec_of(case), page_size=page, forced=forced),
               exact, str(case), full=plain)
         report = out.kv_transfer_params["vllm_evict"]
         if "decode_budget" in case:
@@ -121,7 +136,7 @@ def check_aborts_leak_nothing(engine, seed: int = 2) -> None:
 
     rng = random.Random(seed)
     llm_engine = engine.llm_engine
-    cases = ONE_SHOT + AGAIN
+    cases = ONE_SHOT + again(page_of(engine))
     ids = []
     for i, case in enumerate(cases * 2):
         req_id = f"abort-{seed}-{i}"

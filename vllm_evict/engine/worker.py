@@ -786,12 +786,19 @@ def install_runner_hooks() -> None:
         return STATE.attach_report(orig_sample(self, *args, **kwargs))
 
     def block_table_init(self, *args, **kwargs):
-        # During the compaction step a row holds the prompt blocks plus the P fresh ones.
+        # During the compaction step a row of the evicted group holds the prompt blocks plus the P fresh ones.
+        # Only that group's rows widen: a linear-attention group reads its state index off column 0 and
+        # needs rows of its own width. (Before the KV cache groups are known, every group: one group then.)
+        group = STATE.group
+
+        def widened(widths):
+            return [2 * n if group is None or i == group.index else n for i, n in enumerate(widths)]
+
         if "max_num_blocks" in kwargs:
-            kwargs["max_num_blocks"] = [2 * n for n in kwargs["max_num_blocks"]]
+            kwargs["max_num_blocks"] = widened(kwargs["max_num_blocks"])
         else:
             args = list(args)
-            args[6] = [2 * n for n in args[6]]
+            args[6] = widened(args[6])
         orig_block_table_init(self, *args, **kwargs)
 
     def dispatch(self, *args, invalid_modes=None, **kwargs):

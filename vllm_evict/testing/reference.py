@@ -2,7 +2,8 @@
 (Llama, Qwen2, and the hybrids Gemma 3 and GPT-OSS) that evicts with the engine-free policy code and
 decodes over kept tokens only.
 
-No vLLM code is involved. The HF model computes everything but attention (its norms, RoPE, MLP or MoE);
+No vLLM code is involved. The HF model computes everything but attention (its norms, RoPE, MLP or MoE,
+and linear-attention layers such as Qwen3-Next's Gated DeltaNet, whose state lives in the HF cache);
 attention goes through an attention function registered with transformers (`AttentionInterface`) that
 keeps its own per-layer, per-KV-head key/value lists with their original positions and computes an
 explicit softmax over them: causal by position, limited to the last `sliding_window` positions on a
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -26,9 +29,12 @@ _ACTIVE: list = []  # the callback of the forward in progress (attention receive
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                s_aux=None, **kwargs):
-    """transformers' attention-function signature: query [1, Hq, T, D], key/value [1, Hkv, T, D] of this
-    forward's tokens. Returns ([1, T, Hq, D], None) from the active callback."""
-    out = _ACTIVE[-1](module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))
+    """transformers' attention-function signature: query [1, Hq, T, D], key/value [1, Hkv, L, D] whose last
+    T rows are this forward's tokens (the HF cache may prepend its own copy of earlier ones, unused here).
+    Returns ([1, T, Hq, D], None) from the active callback."""
+    T = query.shape[2]
+    out = _ACTIVE[-1](module.layer_idx, query[0].transpose(0, 1), key[0, :, -T:].transpose(0, 1),
+                      value[0, :, -T:].transpose(0, 1))
     return out.unsqueeze(0), None
 
 
@@ -63,6 +69,12 @@ class LayerKV:
 
 
 @dataclass
+class PrefillEnd:
+    logits: torch.Tensor  # [vocab] of the prefix's last token
+    cache: object         # the HF cache after the prefix (the linear-attention layers' state)
+
+
+@dataclass
 class ReferenceResult:
     token_ids: list[int]
     logprobs: list[float]          # log-softmax of the chosen token at each step
@@ -84,26 +96,28 @@ class ReferenceDecoder:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        attention = [layer.self_attn for layer in self.model.model.layers]
+        attention = [getattr(layer, "self_attn", None) for layer in self.model.model.layers]  # None: linear
         self.num_layers = len(attention)
-        self.scale = attention[0].scaling
+        self.scale = next(a for a in attention if a is not None).scaling
         # per layer: the last positions a query sees (None: all), its sinks [Hq] (None: none); and which evict
         self.windows = [getattr(a, "sliding_window", None) for a in attention]
         self.sinks = [getattr(a, "sinks", None) for a in attention]
-        self.evicts = [w is None for w in self.windows]
-        assert all(a.scaling == self.scale for a in attention), "one softmax scale for every layer"
+        self.evicts = [a is not None and w is None for a, w in zip(attention, self.windows)]
+        assert all(a.scaling == self.scale for a in attention if a is not None), "one softmax scale for every layer"
 
-    def _forward(self, ids: list[int], start: int, callback) -> torch.Tensor:
+    def _forward(self, ids: list[int], start: int, callback, cache=None) -> tuple[torch.Tensor, object]:
         """The model over tokens `ids` at positions start..; attention by callback(layer, q [T, Hq, D],
-        k [T, H, D], v [T, H, D]) -> [T, Hq, D]. Returns the last token's logits [vocab] (float32)."""
+        k [T, H, D], v [T, H, D]) -> [T, Hq, D]; `cache`: the HF cache of the tokens before (None: none),
+        which holds the linear-attention layers' state. Returns the last token's logits [vocab] (float32)
+        and the cache after these tokens."""
         pos = torch.arange(start, start + len(ids), device=self.device)
         _ACTIVE.append(callback)
         try:
             out = self.model(input_ids=torch.tensor([ids], device=self.device), position_ids=pos.unsqueeze(0),
-                             use_cache=False, logits_to_keep=1)
+                             past_key_values=cache, use_cache=True, cache_position=pos, logits_to_keep=1)
         finally:
             _ACTIVE.pop()
-        return out.logits[0, -1].float()
+        return out.logits[0, -1].float(), out.past_key_values
 
     def _attend(self, layer: int, q: torch.Tensor, held: LayerKV, q_pos: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D] at positions q_pos over what each KV head of `layer` holds: keys at positions <= the
@@ -132,7 +146,11 @@ class ReferenceDecoder:
         """Each layer's store after a prefill whose (q, k, v) are `per_layer`, keeping keep[layer] ([H, E]
         bool; None: every token)."""
         stores = []
-        for (q, k, v), kept in zip(per_layer, keep):
+        for qkv, kept in zip(per_layer, keep):
+            if qkv is None:  # a linear-attention layer: its state is in the HF cache
+                stores.append(None)
+                continue
+            q, k, v = qkv
             E = k.shape[0]
             pos = torch.arange(E)
             rows = [slice(None) if kept is None else kept[h].to(k.device) for h in range(self.num_kv_heads)]
@@ -142,8 +160,8 @@ class ReferenceDecoder:
 
     @torch.no_grad()
     def prefill(self, prefix_ids: list[int]):
-        """Causal attention over the prefix: per layer (q, k, v) post-RoPE ([T, Hq|H, D]), and the last
-        token's logits."""
+        """Causal attention over the prefix: per layer (q, k, v) post-RoPE ([T, Hq|H, D]; None for a
+        linear-attention layer), and where it ended (PrefillEnd: the last token's logits, the HF cache)."""
         per_layer = [None] * self.num_layers
         pos = torch.arange(len(prefix_ids), device=self.device)
 
@@ -153,8 +171,7 @@ class ReferenceDecoder:
                                                   [v[:, h] for h in range(self.num_kv_heads)],
                                                   [pos.cpu()] * self.num_kv_heads), pos)
 
-        logits = self._forward(prefix_ids, 0, attend)
-        return per_layer, logits
+        return per_layer, PrefillEnd(*self._forward(prefix_ids, 0, attend))
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_tokens: int, config: EvictionConfig | None = None,
@@ -169,9 +186,12 @@ class ReferenceDecoder:
         an exact decoder's at near-ties)."""
         n = len(prompt_ids)
         E = n if evict_at is None else min(evict_at, n)
-        per_layer, logits = prefill if prefill is not None else self.prefill(prompt_ids[:E])
+        per_layer, end = prefill if prefill is not None else self.prefill(prompt_ids[:E])
         keep = [None] * self.num_layers
-        for layer, (q, k, v) in enumerate(per_layer):
+        for layer, qkv in enumerate(per_layer):
+            if qkv is None:
+                continue
+            q, k, v = qkv
             if keep_override is not None:
                 keep[layer] = None if keep_override[layer] is None else keep_override[layer].to(k.device)
             elif self.evicts[layer] and config is not None and config.num_pages(E, page_size) is not None:
@@ -182,8 +202,9 @@ class ReferenceDecoder:
                                       **config.score_options())
                 keep[layer] = select_tokens(scores, config.budget, page_size=page_size, **config.select_options())
         stores = self._layers_from(per_layer, keep)
-        kept_per_layer = [store.counts() for store in stores]
-        return self._decode(stores, logits, list(prompt_ids[E:]), E, max_tokens, kept_per_layer, forced)
+        kept_per_layer = [store.counts() if store is not None else [] for store in stores]
+        return self._decode(stores, end.logits, copy.deepcopy(end.cache), list(prompt_ids[E:]), E, max_tokens,
+                            kept_per_layer, forced)
 
     @torch.no_grad()
     def replay(self, prompt_ids: list[int], max_tokens: int, spec, page_size: int = 16,
@@ -204,12 +225,12 @@ class ReferenceDecoder:
         decode_every = spec.decode_tokens(page_size)
         stores = [LayerKV.empty(self.num_kv_heads, self.head_dim, self.device, self.model.dtype)
                   for _ in range(self.num_layers)]
-        points = 0
+        points, cache = 0, None
 
         def forward(ids: list[int], start: int, point: str | None):
             """One forward of tokens ids at positions start.. (causal over what each layer holds), then
             the compaction `point` ("prompt" / "decode") of every full-attention layer; the last logits."""
-            nonlocal points
+            nonlocal points, cache
             pos = torch.arange(start, start + len(ids), device=self.device)
 
             def attend(layer, q, k, v):
@@ -222,7 +243,7 @@ class ReferenceDecoder:
                     self._compact(layer, store, spec, point, points, pages, n, page_size)
                 return out
 
-            logits = self._forward(ids, start, attend)
+            logits, cache = self._forward(ids, start, attend, cache)
             if point is not None:
                 points += 1
             return logits
@@ -248,7 +269,9 @@ class ReferenceDecoder:
             point = "decode" if decode_every and written > 0 and written % decode_every == 0 else None
             logits = forward([pending.pop(0)], done, point)
             done += 1
-        result.kept_per_layer, result.near_ties = [store.counts() for store in stores], self._near_ties
+        result.kept_per_layer = [store.counts() if self.windows[i] is not None or self.evicts[i] else []
+                                 for i, store in enumerate(stores)]
+        result.near_ties = self._near_ties
         return result
 
     def _context(self, layer: int, positions: torch.Tensor, index: int, config):
@@ -314,7 +337,7 @@ class ReferenceDecoder:
         result.gaps.append(float(logp[best] - logp[tok]))
         return tok
 
-    def _decode(self, stores: list[LayerKV], logits, pending: list[int], pos: int, max_tokens: int,
+    def _decode(self, stores: list[LayerKV], logits, cache, pending: list[int], pos: int, max_tokens: int,
                 kept_per_layer: list[list[int]], forced: list[int] | None = None) -> ReferenceResult:
         """Token by token over the per-layer stores from position `pos`: the `pending` prompt tokens (the
         rest of the prompt after evict_at), then greedy (or forced) decoding from `logits`."""
@@ -330,7 +353,7 @@ class ReferenceDecoder:
                 stores[layer].append(k, v, at)
                 return self._attend(layer, q, stores[layer], at)
 
-            logits = self._forward([pending.pop(0)], pos, attend)
+            logits, cache = self._forward([pending.pop(0)], pos, attend, cache)
             pos += 1
         return result
 

@@ -34,8 +34,13 @@ TINY_SHAPES = {
     "gpt-oss": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=256, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=64, sliding_window=32, num_local_experts=4,
                     num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2),
+    "qwen3-next": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=32, linear_value_head_dim=32, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                       layer_types=["linear_attention"] * 3 + ["full_attention"]),
 }
-TINY_DTYPES = {"gpt-oss": "bfloat16"}  # vLLM's CPU attention takes sinks in bf16 only
+TINY_DTYPES = {"gpt-oss": "bfloat16", "qwen3-next": "bfloat16"}  # vLLM's CPU sinks and GDN run in bf16 only
 
 REAL_CONFIGS = {
     "llama-3.1-8b": dict(
@@ -106,7 +111,7 @@ def _build_tokenizer(vocab_size: int):
 
 
 def _config(kind: str, vocab_size: int, tok):
-    from transformers import Gemma3TextConfig, GptOssConfig, LlamaConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, GptOssConfig, LlamaConfig, Qwen2Config, Qwen3NextConfig
 
     common = dict(vocab_size=vocab_size, max_position_embeddings=4096, rms_norm_eps=1e-6,
                   tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -117,6 +122,8 @@ def _config(kind: str, vocab_size: int, tok):
         return Gemma3TextConfig(architectures=["Gemma3ForCausalLM"], **common)
     if kind == "gpt-oss":
         return GptOssConfig(architectures=["GptOssForCausalLM"], **common)
+    if kind == "qwen3-next":
+        return Qwen3NextConfig(architectures=["Qwen3NextForCausalLM"], **common)
     return Qwen2Config(use_sliding_window=False, rope_theta=10000.0, **common)
 
 
