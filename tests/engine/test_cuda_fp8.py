@@ -1,4 +1,4 @@
-"""GPU: eviction on an fp8 KV cache (e4m3, vLLM's per-layer k/v scales, FlashAttention 3; issue 32).
+"""GPU: eviction on an fp8 KV cache (e4m3, vLLM's per-layer k/v scales, FlashAttention 3).
 
 * Compaction of fp8 caches: scoring reads the cache dequantized (each layer's bytes times its scale) and
   fp8 window queries dequantized with their scale; the kept sets equal the torch reference's on those same

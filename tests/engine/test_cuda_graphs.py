@@ -15,7 +15,7 @@ It runs twice with graphs: per-head graphs that let FlashAttention split KV, and
 The baseline is the same torch.compile'd model without CUDA graphs (cudagraph_mode NONE), so the test
 isolates what graph capture and replay change. Against enforce_eager the compiled model's bf16 keys differ
 in rounding (inductor's RMSNorm and RoPE against vLLM's custom ops), which flips KeyDiff selections at near
-ties: benchmarks/diag_chunked_graphs.py found compile, PIECEWISE and FULL runs giving identical tokens, all
+ties: tools/device/diag_chunked_graphs.py found compile, PIECEWISE and FULL runs giving identical tokens, all
 three apart from eager by the same few kept tokens.
 
 Greedy tokens are compared as vLLM compares its own graph and eager runs (`check_logprobs_close`):

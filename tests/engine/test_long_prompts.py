@@ -1,4 +1,4 @@
-"""Prompts longer than the whole KV cache (issue 17): with $VLLM_EVICT_ALLOW_LONG_PROMPTS a --max-model-len
+"""Prompts longer than the whole KV cache: with $VLLM_EVICT_ALLOW_LONG_PROMPTS a --max-model-len
 beyond the cache starts, a block-wise evicting request longer than the cache runs and equals the chunked
 torch reference, and every request that could never fit is refused at arrival (a ValueError from the input
 processor, a 400 from the OpenAI server) instead of waiting forever, while the engine keeps serving. Without the opt-in vLLM's refusal stands."""

@@ -1,6 +1,6 @@
 """Settings eviction does not support are refused at engine start with a message that names the flag,
-instead of failing mid-serving: a quantized KV cache other than e4m3 fp8 on CUDA (issues 21 and 32), and
-pipeline parallelism (issue 16)."""
+instead of failing mid-serving: a quantized KV cache other than e4m3 fp8 on CUDA, and
+pipeline parallelism."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 16: eviction at tensor_parallel_size=2 (CPU, two worker processes, tiny GQA Llama with 2 KV heads,
+"""Eviction at tensor_parallel_size=2 (CPU, two worker processes, tiny GQA Llama with 2 KV heads,
 so each rank holds one) against the independent torch reference, which is also what TP=1 produces
 (tests/engine/test_eviction.py), uniform and Ada-KV. One engine for the module, engine core in this process so the block
 pool can be read."""
@@ -29,7 +29,7 @@ def test_tp_group_uses_the_communicator_this_build_offers(engine):
     """The TP=2 tests of this module run through vLLM's CPU shared-memory communicator where this build has
     it (AVX-512: `torch.ops._C.init_shm_manager`), else through torch.distributed; this says which, and
     checks that the workers took the path the build offers. The shared-memory path gathers only float32,
-    bf16 and fp16 (issue 30: Ada-KV's int64 page counts failed there)."""
+    bf16 and fp16 (Ada-KV's int64 page counts once failed there)."""
     import torch  # noqa: F401  (torch.ops._C is vLLM's, loaded with it)
     import vllm._custom_ops  # noqa: F401
 

@@ -1,4 +1,4 @@
-"""Schemathesis against a real `vllm-evict serve` (issue 18): vLLM's own OpenAPI schema of /v1/completions
+"""Schemathesis against a real `vllm-evict serve`: vLLM's own OpenAPI schema of /v1/completions
 and /v1/chat/completions, with the `eviction` object added to both request bodies (the server reads it as
 an extra field, so vLLM's schema does not declare it): right and wrong types, NaN and infinities, huge
 integers, unknown keys, nested junk and unicode policy names, next to fuzzed values of every other field.

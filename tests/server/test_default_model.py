@@ -1,4 +1,4 @@
-"""`vllm-evict serve` with no arguments (issue 33): SmolLM2-135M-Instruct, prepared from the installed
+"""`vllm-evict serve` with no arguments: SmolLM2-135M-Instruct, prepared from the installed
 wheel, under its own name, answering a chat question from a passage in the prompt with and without
 eviction; and vLLM's own load tool (`vllm-evict bench serve` = `vllm bench serve`) against it with an
 eviction object in every request."""

@@ -1,4 +1,4 @@
-"""Faults of a real `vllm-evict serve` (issue 18), each on a server of its own (tiny model, CPU):
+"""Faults of a real `vllm-evict serve`, each on a server of its own (tiny model, CPU):
 
 * SIGTERM with evicting requests in flight, under `--shutdown-timeout` (vLLM's graceful drain): every
   in-flight stream finishes, the process exits in bounded time, and a restarted server serves again;

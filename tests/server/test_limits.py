@@ -1,4 +1,4 @@
-"""Request limits of `vllm-evict serve` (issue 18), on a real server with `--max-model-len 512 --max-n 2` and a
+"""Request limits of `vllm-evict serve`, on a real server with `--max-model-len 512 --max-n 2` and a
 KV cache of 40 blocks (640 tokens): what a client gets over each (docs/OPERATIONS.md, "Request limits")."""
 
 from __future__ import annotations

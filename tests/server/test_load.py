@@ -1,4 +1,4 @@
-"""A short bounded load on a real `vllm-evict serve` (issue 18; the generator is benchmarks/load.py): 16
+"""A short bounded load on a real `vllm-evict serve` (the generator is benchmarks/load.py): 16
 streaming clients for 45 s, mixed eviction settings, 20% of the requests closed mid-stream. Nothing may be
 lost, no 5xx, no KV block held after the drain, and the server's resident memory may grow by at most 25%
 from the first warm sample to the end."""

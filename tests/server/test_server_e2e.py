@@ -447,7 +447,7 @@ def test_invalid_eviction_via_client_and_xargs(client, http):
 def test_metrics(client, http):
     _, _, usage = create(client, "completions", "metrics warmup", max_tokens=2, extra_body={"ignore_eos": True})
     assert_evicted(eviction_of(usage), DEFAULT_POLICY)
-    # decode-time eviction (issue 34): the report's decode compactions and tokens reach the decode counters
+    # decode-time eviction: the report's decode compactions and tokens reach the decode counters
     before = scrape(http)
     decode = {"policy": "dropkv", "decode_budget": 16, "decode_every": 16}
     _, _, usage = create(client, "completions", "metrics decode", max_tokens=40,

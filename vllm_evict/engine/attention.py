@@ -48,7 +48,7 @@ def check_cache_dtype(cache_dtype: str, cuda: bool) -> None:
 
 
 def check_pipeline_parallel(size: int) -> None:
-    """Refuse pipeline parallelism at engine start (issue 16): compaction covers all layers of a request
+    """Refuse pipeline parallelism at engine start: compaction covers all layers of a request
     in one worker, and the scheduler's block accounting assumes it; neither is written or tested for
     layers split across stages."""
     if size > 1:

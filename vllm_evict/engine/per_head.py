@@ -197,7 +197,7 @@ MAX_SPLIT_SEQUENCES = 992
 # unsplit, one CTA reads each virtual sequence: the call lasts at least as long as the longest one takes. The
 # per-head graphs split when the longest sequence holds more than SPLIT_KV_RATIO times the batch's KV tokens
 # per SM and more than SPLIT_KV_MIN_TOKENS (below that one CTA reads it about as fast as a split call starts).
-# Fitted on the per-head call alone over 42 shapes and head spreads (H200, docs/BENCHMARKS.md, issue 31):
+# Fitted on the per-head call alone over 42 shapes and head spreads (H200, docs/BENCHMARKS.md):
 # 0.3% slower than the faster choice on average, 6.4% at worst; always splitting (before) 6.1% and 27%.
 SPLIT_KV_RATIO = 1.75
 SPLIT_KV_MIN_TOKENS = 4096
@@ -217,7 +217,7 @@ class DecodeGraphTables:
     the call's tail. Each layer's sequences are therefore given to it longest first: its pages and lengths
     are written in that order and FlashAttention 3 finds each sequence's query (and output) row through
     `order` as cu_seqlens_q with one query each (seqused_q), so queries and outputs stay in place
-    (cuda_backend.ordered_decode_attention; the call 13-26% faster at head spreads 1-2, issue 31, session 19).
+    (cuda_backend.ordered_decode_attention; the call 13-26% faster at head spreads 1-2).
 
     Owned by the CUDA metadata builder (one per KV-cache group). Every buffer is allocated once, so a
     captured decode graph reads and writes the same addresses on every replay:
