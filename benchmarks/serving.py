@@ -832,12 +832,21 @@ PLANS = {
                                "--eviction-options", '{"chunked": true, "chunk_size": 512}'], 330)],
     "hybrid-gpt-oss-20b": _hybrid_plan(36, "16384:512:64", 420),
     "hybrid-gemma-3-12b": _hybrid_plan(24, "16384:512:32", 420),
+    # the same capacity with distinct prompts: a sliding-window group's blocks are then each request's own
+    "hybrid-capacity-distinct-gpt-oss-20b": [("vanilla", "capacity", HYBRID_32K + ["--num-requests", "36"], 300),
+                                             ("evict", "capacity", HYBRID_32K + ["--capacity-configs", "0.1:uniform"],
+                                              480)],
+    "hybrid-capacity-distinct-gemma-3-12b": [("vanilla", "capacity", HYBRID_32K + ["--num-requests", "24"], 300),
+                                             ("evict", "capacity", HYBRID_32K + ["--capacity-configs", "0.1:uniform"],
+                                              480)],
     "no-eviction-gpt-oss-20b": _no_eviction_plan(64),
     "no-eviction-gemma-3-12b": _no_eviction_plan(32),
 }
 # the model config a plan runs (vllm_evict.testing.tiny_models.REAL_CONFIGS; default Llama-3.1-8B)
 PLAN_MODELS = {"hybrid-gpt-oss-20b": "gpt-oss-20b", "hybrid-gemma-3-12b": "gemma-3-12b",
-               "no-eviction-gpt-oss-20b": "gpt-oss-20b", "no-eviction-gemma-3-12b": "gemma-3-12b"}
+               "no-eviction-gpt-oss-20b": "gpt-oss-20b", "no-eviction-gemma-3-12b": "gemma-3-12b",
+               "hybrid-capacity-distinct-gpt-oss-20b": "gpt-oss-20b",
+               "hybrid-capacity-distinct-gemma-3-12b": "gemma-3-12b"}
 
 
 def vanilla_path() -> str:

@@ -1,0 +1,88 @@
+"""Which KV layouts evict, and how the ones that cannot are refused (engine/layout.py): the group rule on KV
+cache configs of each kind, then a real engine whose layout cannot evict (tiny Gemma 3 with the hybrid KV
+cache manager disabled, so its sliding-window layers share the full-attention layers' blocks): a request
+with an `eviction` object is refused at the API naming the layout, `policy: none` runs, and an engine told
+to evict every request by default refuses to start."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.engine.inprocess import inprocess_llm
+
+PAGE = 16
+
+
+def spec(kind: str, **fields):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    cls = {"full": FullAttentionSpec, "sliding": SlidingWindowSpec, "mla": MLAAttentionSpec}[kind]
+    return cls(block_size=PAGE, num_kv_heads=2, head_size=64, dtype=torch.float32, **fields)
+
+
+def config(*specs):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([f"model.layers.{i}.attn"], s) for i, s in enumerate(specs)])
+
+
+def test_the_full_attention_group_is_the_one_evicted():
+    from vllm_evict.engine.layout import evicted_group, other_group_blocks
+
+    group, reason = evicted_group(config(spec("full")))
+    assert reason is None and group.index == 0 and not group.hybrid
+    hybrid = config(spec("sliding", sliding_window=40), spec("sliding", sliding_window=40), spec("full"))
+    group, reason = evicted_group(hybrid)
+    assert reason is None and group.index == 2 and group.hybrid and group.window_blocks == 4
+    # the sliding groups hold at most their window's blocks (plus the one being filled): 2 x (ceil(39/16) + 1)
+    assert other_group_blocks(hybrid, group, 10_000) == 2 * 4 and other_group_blocks(hybrid, group, 20) == 2 * 2
+
+
+@pytest.mark.parametrize("specs, words", [
+    (("mla",), "no full-attention KV cache group"),
+    (("sliding",), "no full-attention KV cache group"),
+    (("full", "full"), "2 full-attention KV cache groups"),
+    (("full-window",), "no full-attention KV cache group"),   # sliding layers unified into the full group
+])
+def test_layouts_that_cannot_evict_say_why(specs, words):
+    from vllm_evict.engine.layout import evicted_group
+
+    made = [spec("full", sliding_window=32) if s == "full-window" else
+            spec(s, sliding_window=32) if s == "sliding" else spec(s) for s in specs]
+    group, reason = evicted_group(config(*made))
+    assert group is None and words in reason
+
+
+@pytest.fixture(scope="module")
+def model():
+    from vllm_evict.testing.tiny_models import ensure_tiny_model
+
+    return ensure_tiny_model("gemma3")
+
+
+@pytest.mark.engine
+def test_a_layout_that_cannot_evict_is_refused_by_name(model, monkeypatch):
+    from vllm import SamplingParams
+
+    def params(eviction):
+        return SamplingParams(temperature=0, max_tokens=4, extra_args={"vllm_evict": eviction})
+
+    with inprocess_llm(model, block_size=PAGE, max_model_len=512, disable_hybrid_kv_cache_manager=True) as llm:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        assert "hybrid KV cache manager is disabled" in scheduler.refusal
+        prompt = {"prompt_token_ids": list(range(3, 203))}
+        with pytest.raises(ValueError, match="cannot evict.*sliding-window layers"):
+            llm.generate([prompt], [params({"policy": "snapkv", "budget": 0.5})])
+        out = llm.generate([prompt], [params({"policy": "none"})])[0]  # no eviction asked: served
+        assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+    # told to evict every request by default, the engine refuses to start with the same reason
+    from vllm_evict.engine.request_config import DEFAULT_ENV
+
+    monkeypatch.setenv(DEFAULT_ENV, json.dumps({"policy": "snapkv", "budget": 0.5}))
+    with pytest.raises(Exception, match="cannot evict.*sliding-window layers"):
+        with inprocess_llm(model, block_size=PAGE, max_model_len=512, disable_hybrid_kv_cache_manager=True):
+            pass
