@@ -2,10 +2,12 @@
 
 `ensure_tiny_model("llama"|"qwen2")` writes a GQA model (4 query / 2 KV heads, head_dim 64, random
 weights from a fixed seed) with a byte-level BPE tokenizer trained with `tokenizers` and a ChatML
-chat template. The hybrid kinds have the same heads: "gemma3" (5 sliding-window layers of 32 tokens to
-1 full-attention layer, twice; float32) and "gpt-oss" (sliding window 32 alternating with full
-attention, attention sinks, a 4-expert MoE; bfloat16, the dtype vLLM's CPU sinks need). `write_real_config("llama-3.1-8b"|"qwen2.5-7b")` writes only config + tokenizer for
-`load_format="dummy"` runs with real shapes.
+chat template. The hybrid kinds have the same attention heads: "gemma3" (two sliding-window layers of
+32 tokens to one full-attention layer, twice; float32), "gpt-oss" (sliding window 32 alternating with
+full attention, attention sinks, a 4-expert MoE) and "qwen3-next" (three Gated DeltaNet layers to one
+full-attention layer, a 4-expert MoE); the last two in bfloat16, the dtype vLLM's CPU kernels for sinks
+and Gated DeltaNet take. `write_real_config(NAME)` writes only config + tokenizer of a real model
+(REAL_CONFIGS: Llama-3.1-8B, Qwen2.5-7B, GPT-OSS-20B, Gemma-3-12B) for `load_format="dummy"` runs.
 """
 
 from __future__ import annotations
