@@ -25,7 +25,7 @@ def setup(policy: str, n: int, precision: str, allocation: str):
     from vllm_evict.kernels.window_scores import WindowScoreConfig, window_scores
     from vllm_evict.engine.cuda_backend import CudaPagedCache
     from vllm_evict.engine.request_config import RequestEviction
-    from vllm_evict.engine.worker import WorkerEviction
+    from vllm_evict.engine.request_state import WorkerEviction
     from vllm_evict.policies import EvictionConfig, register_raw_kernel
 
     # What the plugin registers on CUDA (engine/plugin.py), with the precision asked for.

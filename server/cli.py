@@ -13,7 +13,7 @@ that scripts/setup.sh installs (vllm_evict/models.py; later starts reuse the pre
 are noise.
 
 The `--default-eviction-*` flags fill a request's missing `eviction` fields ($VLLM_EVICT_DEFAULT, read by
-the plugin's request hook, vllm_evict/engine/serving.py). Plain `vllm serve` with the same settings
+the plugin's request hook, vllm_evict/engine/openai_api.py). Plain `vllm serve` with the same settings
 gives the same server (docs/OPERATIONS.md).
 """
 

@@ -12,7 +12,8 @@ from vllm_evict.engine import compaction  # noqa: E402
 from vllm_evict.engine.compaction import LayerCompaction, compaction_slots, select_group  # noqa: E402
 from vllm_evict.engine.cpu_backend import CpuPagedCache  # noqa: E402
 from vllm_evict.engine import per_head  # noqa: E402
-from vllm_evict.engine.worker import StepPlan, WorkerEviction  # noqa: E402
+from vllm_evict.engine.request_state import WorkerEviction  # noqa: E402
+from vllm_evict.engine.step import StepPlan  # noqa: E402
 from vllm_evict.engine.request_config import RequestEviction  # noqa: E402
 from vllm_evict.policies import EvictionConfig  # noqa: E402
 

@@ -32,7 +32,7 @@ def test_fp8_cache_compaction_matches_the_reference_on_dequantized_values(monkey
     from vllm_evict.engine import compaction
     from vllm_evict.engine.cuda_backend import CudaPagedCache
     from vllm_evict.engine.request_config import RequestEviction
-    from vllm_evict.engine.worker import WorkerEviction
+    from vllm_evict.engine.request_state import WorkerEviction
     from vllm_evict.policies import EvictionConfig, score_tokens, select_tokens
 
     torch.manual_seed(7)

@@ -59,7 +59,8 @@ def generate(model, **engine_overrides):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from tests.engine.inprocess import stdout_with_a_file_descriptor
-    from vllm_evict.engine.worker import STATE, PerHeadDecodeBatch
+    from vllm_evict.engine.step import PerHeadDecodeBatch
+    from vllm_evict.engine.worker import STATE
     from vllm_evict.testing.engines import make_llm
 
     # (mode, plan has compacted rows, per-head rows, per-head graph, decode only, records queries or compacts)

@@ -20,7 +20,8 @@ def test_compacted_and_plain_rows_match_explicit(allocation):
     from vllm_evict.engine.compaction import LayerCompaction, compaction_slots
     from vllm_evict.engine.cuda_backend import CudaPagedCache
     from vllm_evict.engine.request_config import RequestEviction
-    from vllm_evict.engine.worker import StepPlan, WorkerEviction
+    from vllm_evict.engine.request_state import WorkerEviction
+    from vllm_evict.engine.step import StepPlan
     from vllm_evict.policies import EvictionConfig
 
     torch.manual_seed(3)

@@ -20,7 +20,7 @@ MAX_ROWS, WIDTH = 6, 8
 def check(device: str, seed: int) -> None:
     from tests.engine.test_per_head_tables import H, L, N, compacted_state
     from vllm_evict.engine.per_head import DecodeGraphTables
-    from vllm_evict.engine.worker import StepPlan
+    from vllm_evict.engine.step import StepPlan
     from vllm_evict.kernels.per_head_tables import decode_tables_reference
 
     gen = torch.Generator().manual_seed(seed)

@@ -10,7 +10,8 @@ import torch
 from vllm_evict.engine import per_head
 from vllm_evict.engine.compaction import LayerCompaction
 from vllm_evict.engine.request_config import RequestEviction
-from vllm_evict.engine.worker import StepPlan, WorkerEviction
+from vllm_evict.engine.request_state import WorkerEviction
+from vllm_evict.engine.step import StepPlan
 from vllm_evict.policies import EvictionConfig
 
 N, H, L = 4, 3, 3  # page size, KV heads, layers

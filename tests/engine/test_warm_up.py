@@ -13,7 +13,7 @@ def test_warm_up_compacts_every_policy_and_allocation():
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from vllm_evict.engine.cpu_backend import CpuPagedCache
-    from vllm_evict.engine.worker import warm_up
+    from vllm_evict.engine.warm_up import warm_up
 
     num_kv, page = 2, 16
     isa = _get_attn_isa(torch.float32, page, 32)

@@ -5,7 +5,7 @@ pending CompletionOutput and drops the newer one). Without the hook the final us
 
 import pytest
 
-from vllm_evict.engine.serving import EVICTION_ATTR, _keep_reports, _Reports
+from vllm_evict.engine.openai_api import EVICTION_ATTR, _keep_reports, _Reports
 
 REPORT = {"policy": "snapkv", "evicted": True}
 

@@ -1,12 +1,13 @@
 """Platform-independent part of the eviction attention backends.
 
-The step's plan (worker.StepPlan, None for a stock step) reaches the attention layers on their metadata
-(`attn_metadata.eviction`), put there by the backend's metadata builder: the worker builds the plan while
-vLLM prepares the step's inputs, before it builds the metadata. Stock behaviour unless the plan says otherwise:
+The step's plan (step.StepPlan, None for a stock step) reaches the attention layers on their metadata
+(`attn_metadata.eviction`), put there by the backend's metadata builder from `step.BUILD`, which holds
+the plan while vLLM builds the step's metadata: the worker builds the plan while vLLM prepares the
+step's inputs, before that. Stock behaviour unless the plan says otherwise:
 - window capture: copy the query rows of the last w positions before each point of evicting requests;
 - per-head path (batch holds Ada-KV-compacted requests): every request row becomes H_kv virtual
   sequences with their own page tables (see per_head.py) - KV write and attention both go through it.
-  Uniform decode steps run it inside FULL CUDA graphs of their own (worker.PerHeadDecodeBatch), with
+  Uniform decode steps run it inside FULL CUDA graphs of their own (step.PerHeadDecodeBatch), with
   tables computed on device from persistent buffers; other steps build the tables eagerly. Decode steps
   that capture window queries or compact replay the same graphs: they stage every layer's queries in a
   persistent buffer, which the worker copies from after the forward;
@@ -28,7 +29,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 
 from vllm_evict.engine import per_head
-from vllm_evict.engine.worker import STATE, per_head_graph_step  # STATE: the metadata builders only
+from vllm_evict.engine.step import BUILD, per_head_graph_step
 
 
 # Quantized caches eviction handles: vLLM's FlashAttention fp8 (e4m3, per-layer k/v scales) on CUDA
@@ -56,14 +57,14 @@ def check_pipeline_parallel(size: int) -> None:
                          "use --tensor-parallel-size, or disable the plugin (VLLM_PLUGINS=none)")
 
 
-def per_head_graph(attn_metadata):  # -> worker.PerHeadDecodeBatch | None
+def per_head_graph(attn_metadata):  # -> step.PerHeadDecodeBatch | None
     """The per-head FULL decode graph this layer's attention runs in: None outside one, and for the layers
     eviction leaves alone (a hybrid model's sliding-window layers: their builder holds no graph tables)."""
     graph = per_head_graph_step()
     return graph if graph is not None and getattr(attn_metadata, "per_head_decode", None) is not None else None
 
 
-def step_plan(attn_metadata):  # -> worker.StepPlan | None
+def step_plan(attn_metadata):  # -> step.StepPlan | None
     """The eviction plan of the step whose attention metadata this is (None: a stock step)."""
     return getattr(attn_metadata, "eviction", None)
 
@@ -79,9 +80,9 @@ class EvictionMetadataBuilderMixin:
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         evicts = getattr(self, "_vllm_evict_evicts", None)
         if evicts is None:
-            evicts = self._vllm_evict_evicts = bool(STATE.evicted_layers.intersection(self.layer_names))
-        plan = STATE.plan if evicts else None
-        if evicts and STATE.group.hybrid:
+            evicts = self._vllm_evict_evicts = bool(BUILD.evicted_layers.intersection(self.layer_names))
+        plan = BUILD.plan if evicts else None
+        if evicts and BUILD.hybrid:
             common_attn_metadata = self._physical_lengths(common_attn_metadata, plan)
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
         md.eviction = plan

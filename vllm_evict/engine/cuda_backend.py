@@ -28,7 +28,7 @@ from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, reshape_
 from vllm_evict.kernels.paged_kv import gather_prompt, gather_slots, scatter_kept
 from vllm_evict.engine.attention import EvictionAttentionMixin, EvictionMetadataBuilderMixin
 from vllm_evict.engine.per_head import DecodeGraphTables
-from vllm_evict.engine.worker import STATE  # the evicted KV cache group's layers (builders only)
+from vllm_evict.engine.step import BUILD
 
 
 class CudaPagedCache:
@@ -208,16 +208,16 @@ def query_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
 
 class EvictFlashAttentionMetadataBuilder(EvictionMetadataBuilderMixin, FlashAttentionMetadataBuilder):
     # FlashAttention's own CUDA-graph support: a FULL graph replays the stock attention, which is right
-    # for every step whose plan needs no attention call (worker.py's dispatcher hook keeps the others
+    # for every step whose plan needs no attention call (runner_hooks.py's dispatcher hook keeps the others
     # off FULL graphs).
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.per_head_decode = None
-        # The per-head FULL decode graphs (worker.py; one token per row, so no speculative decoding)
+        # The per-head FULL decode graphs (runner_hooks.py; one token per row, so no speculative decoding)
         # (the evicted KV cache group's builder only: a hybrid model's other layers replay stock attention)
         if self.use_full_cuda_graph and vllm_config.num_speculative_tokens == 0 \
-                and STATE.evicted_layers.intersection(layer_names):
+                and BUILD.evicted_layers.intersection(layer_names):
             from vllm.model_executor.models.utils import extract_layer_index
 
             page, model = kv_cache_spec.block_size, vllm_config.model_config

@@ -58,7 +58,7 @@ class StepTables:
 
 def stacked_counts(state, device) -> tuple[torch.Tensor, torch.Tensor]:
     """([L, H] pages per head, [L, H] kept tokens) of a compacted request, indexed by layer index
-    (layers without attention stay zero); built once per layout (worker.WorkerEviction.advance)."""
+    (layers without attention stay zero); built once per layout (request_state.WorkerEviction.advance)."""
     if state.stacked is None:
         indices = sorted(state.layers)
         counts = torch.stack([state.layers[i].page_counts for i in indices]).to(device, torch.int64)
@@ -232,7 +232,7 @@ class DecodeGraphTables:
       per layer from vLLM's block table and (worker-shifted) seq_lens;
     - every layer's queries [L, R, Hq, D] (`queries`): the attention call copies its strided query there,
       the contiguous copy FlashAttention needs anyway, so the worker can record window queries after a
-      graph replay (worker.WindowStore.capture_all).
+      graph replay (window_store.WindowStore.capture_all).
     """
 
     def __init__(self, num_layers: int, max_rows: int, num_heads: int, max_pages: int, page_size: int,

@@ -30,7 +30,7 @@ def register() -> None:
         register_backend(AttentionBackendEnum.FLASH_ATTN,
                          "vllm_evict.engine.cuda_backend.EvictFlashAttentionBackend")
         _install_triton_scoring()
-    from vllm_evict.engine.worker import install_runner_hooks
+    from vllm_evict.engine.runner_hooks import install_runner_hooks
 
     install_runner_hooks()
     _install_request_validation()
@@ -38,7 +38,7 @@ def register() -> None:
     import sys
 
     if "vllm.entrypoints.openai.api_server" in sys.modules:  # the API process of `vllm serve`
-        from vllm_evict.engine.serving import install_serving_hooks
+        from vllm_evict.engine.openai_api import install_serving_hooks
 
         install_serving_hooks()
 

@@ -19,13 +19,17 @@ _SINGLE = "vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager."
 
 SURFACE: dict[str, dict[str, str]] = {
     "engine": {
-        # worker.py: runner hooks
+        # runner_hooks.py
         _RUNNER + "_update_states": "self, scheduler_output",
         _RUNNER + "_prepare_inputs": "self, scheduler_output, num_scheduled_tokens",
         _RUNNER + "_model_forward": "self, input_ids=, positions=, intermediate_tensors=, inputs_embeds=, **model_kwargs",
         _RUNNER + "execute_model": "self, scheduler_output, intermediate_tensors=",
         _RUNNER + "sample_tokens": "self, grammar_output",
         _RUNNER + "initialize_kv_cache": "self, kv_cache_config, is_profiling=",
+        _RUNNER + "_build_attention_metadata": "self, num_tokens, num_reqs, max_query_len, num_tokens_padded=, "
+                                               "num_reqs_padded=, ubatch_slices=, logits_indices=, use_spec_decode=, "
+                                               "for_cudagraph_capture=, num_scheduled_tokens=, "
+                                               "cascade_attn_prefix_lens=, slot_mappings=",
         _RUNNER + "_warmup_and_capture": "self, desc, cudagraph_runtime_mode, profile_seq_lens=, allow_microbatching=, "
                                          "num_warmups=, profiler=",
         # max_num_blocks is the 7th positional argument (worker.block_table_init doubles it)

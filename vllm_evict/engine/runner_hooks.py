@@ -1,0 +1,153 @@
+"""The model-runner hooks (the CPU runner inherits them from `GPUModelRunner`):
+- `initialize_kv_cache`: the KV cache group eviction compacts, before vLLM builds its metadata builders;
+- `_update_states`: drop state of finished/resumed requests; after a compaction step, strip the
+  prompt blocks from the request's block-table row (the scheduler already freed them);
+- `_prepare_inputs`: build the StepPlan for this batch (row order is final here) and shift the
+  compacted rows' attention lengths and KV slots;
+- `_build_attention_metadata`: the plan is what the metadata builders read while vLLM builds the step's
+  metadata (step.BUILD);
+- `_model_forward`: after the forward, compact the requests that reached their eviction point, all
+  layers at once (compaction.compact_requests);
+- `execute_model`, `sample_tokens`: reports on the step's output; the plan is cleared when the step ends;
+- `MultiGroupBlockTable.__init__`: the evicted group's rows widened for the fresh blocks;
+and the CUDA-graph dispatcher: steps that need the attention call (window capture, compaction, eager
+per-head tables) skip FULL graphs; uniform decode steps with per-head (Ada-KV) rows replay FULL graphs
+of their own, keyed by `PerHeadDecodeBatch` and captured next to vLLM's decode graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm_evict.engine.step import BUILD, PerHeadDecodeBatch
+from vllm_evict.engine.warm_up import warm_up_scoring
+from vllm_evict.engine.worker import STATE
+
+
+def install_runner_hooks() -> None:
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+    from vllm.v1.worker import gpu_worker
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner, "_vllm_evict_hooked", False):
+        return
+
+    orig_update = GPUModelRunner._update_states
+    orig_prepare = GPUModelRunner._prepare_inputs
+    orig_execute = GPUModelRunner.execute_model
+    orig_model_forward = GPUModelRunner._model_forward
+    orig_sample = GPUModelRunner.sample_tokens
+    orig_block_table_init = MultiGroupBlockTable.__init__
+    orig_dispatch = CudagraphDispatcher.dispatch
+    orig_init_keys = CudagraphDispatcher.initialize_cudagraph_keys
+    orig_warmup_and_capture = GPUModelRunner._warmup_and_capture
+    orig_kernel_warmup = gpu_worker.kernel_warmup
+    orig_initialize_kv_cache = GPUModelRunner.initialize_kv_cache
+    orig_build_metadata = GPUModelRunner._build_attention_metadata
+
+    def _build_attention_metadata(self, *args, **kwargs):
+        BUILD.plan = STATE.plan  # what the evicted group's metadata builder puts on its metadata
+        try:
+            return orig_build_metadata(self, *args, **kwargs)
+        finally:
+            BUILD.plan = None
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        STATE.set_kv_cache_groups(self, kv_cache_config)
+        return orig_initialize_kv_cache(self, kv_cache_config, *args, **kwargs)
+
+    def _update_states(self, scheduler_output):
+        STATE.before_update_states(self, scheduler_output)
+        return orig_update(self, scheduler_output)
+
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        result = orig_prepare(self, scheduler_output, *args, **kwargs)
+        STATE.build_plan(self, scheduler_output)
+        return result
+
+    def _model_forward(self, *args, **kwargs):
+        output = orig_model_forward(self, *args, **kwargs)
+        STATE.after_forward(self)
+        return output
+
+    def execute_model(self, *args, **kwargs):
+        try:
+            return STATE.attach_report(orig_execute(self, *args, **kwargs))
+        finally:
+            STATE.end_step()
+
+    def sample_tokens(self, *args, **kwargs):
+        return STATE.attach_report(orig_sample(self, *args, **kwargs))
+
+    def block_table_init(self, *args, **kwargs):
+        # During the compaction step a row of the evicted group holds the prompt blocks plus the P fresh ones.
+        # Only that group's rows widen: a linear-attention group reads its state index off column 0 and
+        # needs rows of its own width. (Before the KV cache groups are known, every group: one group then.)
+        group = STATE.group
+
+        def widened(widths):
+            return [2 * n if group is None or i == group.index else n for i, n in enumerate(widths)]
+
+        if "max_num_blocks" in kwargs:
+            kwargs["max_num_blocks"] = widened(kwargs["max_num_blocks"])
+        else:
+            args = list(args)
+            args[6] = widened(args[6])
+        orig_block_table_init(self, *args, **kwargs)
+
+    def dispatch(self, *args, invalid_modes=None, **kwargs):
+        # A step with per-head rows, window captures or compactions replays a per-head FULL graph if vLLM
+        # picked a FULL decode graph, else runs PIECEWISE or eager (the attention call does the work). Every
+        # other step keeps vLLM's choice.
+        # The split or unsplit graph as the plan chose, else the one this size has.
+        plan, capturing = STATE.plan, STATE.capturing
+        per_head = capturing is not None or (plan is not None and plan.needs_per_head_graph)
+        mode, desc = orig_dispatch(self, *args, invalid_modes=invalid_modes, **kwargs)
+        if per_head and mode == CUDAGraphMode.FULL:
+            split = capturing.split_kv if capturing is not None else plan.split_kv
+            for choice in (split, not split):
+                per_head_desc = PerHeadDecodeBatch(**dataclasses.asdict(desc), split_kv=choice)
+                if per_head_desc in self.cudagraph_keys[CUDAGraphMode.FULL]:
+                    return mode, per_head_desc
+            invalid_modes = set(invalid_modes or ()) | {CUDAGraphMode.FULL}
+            return orig_dispatch(self, *args, invalid_modes=invalid_modes, **kwargs)
+        return mode, desc
+
+    def initialize_cudagraph_keys(self, *args, **kwargs):
+        from vllm_evict.engine.per_head import MAX_SPLIT_SEQUENCES
+
+        orig_init_keys(self, *args, **kwargs)
+        num_heads = self.vllm_config.model_config.get_num_kv_heads(self.vllm_config.parallel_config)
+        for desc in list(self.cudagraph_keys[CUDAGraphMode.FULL]):
+            if desc.uniform and self.uniform_decode_query_len == 1:  # one token per row (per_head.py)
+                fields = dataclasses.asdict(desc)
+                self.add_cudagraph_key(CUDAGraphMode.FULL, PerHeadDecodeBatch(**fields))
+                if desc.num_tokens * num_heads <= MAX_SPLIT_SEQUENCES:
+                    self.add_cudagraph_key(CUDAGraphMode.FULL, PerHeadDecodeBatch(**fields, split_kv=True))
+
+    def _warmup_and_capture(self, desc, *args, **kwargs):
+        STATE.capturing = desc if isinstance(desc, PerHeadDecodeBatch) else None
+        try:
+            return orig_warmup_and_capture(self, desc, *args, **kwargs)
+        finally:
+            STATE.capturing = None
+
+    def kernel_warmup(worker):
+        orig_kernel_warmup(worker)
+        warm_up_scoring(worker.model_runner)
+
+    GPUModelRunner._update_states = _update_states
+    GPUModelRunner.initialize_kv_cache = initialize_kv_cache
+    GPUModelRunner._build_attention_metadata = _build_attention_metadata
+    GPUModelRunner._prepare_inputs = _prepare_inputs
+    GPUModelRunner.execute_model = execute_model
+    GPUModelRunner._model_forward = _model_forward
+    GPUModelRunner.sample_tokens = sample_tokens
+    MultiGroupBlockTable.__init__ = block_table_init
+    CudagraphDispatcher.dispatch = dispatch
+    CudagraphDispatcher.initialize_cudagraph_keys = initialize_cudagraph_keys
+    GPUModelRunner._warmup_and_capture = _warmup_and_capture
+    gpu_worker.kernel_warmup = kernel_warmup
+    GPUModelRunner._vllm_evict_hooked = True

@@ -1,0 +1,79 @@
+"""Kernel warm-up at engine start: the compaction path runs once for every policy and allocation, so that no
+request pays a Triton compile (docs/OPERATIONS.md)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from vllm.logger import init_logger
+from vllm.utils.torch_utils import is_quantized_kv_cache
+
+from vllm_evict.engine.request_config import RequestEviction
+from vllm_evict.engine.request_state import WorkerEviction
+from vllm_evict.engine.worker import compact_one
+
+logger = init_logger(__name__)
+
+
+def warm_up_scoring(runner) -> None:
+    """At engine start (vLLM's kernel warm-up, CUDA only): compile every kernel of the compaction path
+    before the first request, for the engine's cache dtype (docs/OPERATIONS.md)."""
+    if runner.device.type != "cuda":
+        return
+    from vllm_evict.engine.cuda_backend import CudaPagedCache, query_dtype
+
+    model, parallel, cache_dtype = runner.model_config, runner.parallel_config, runner.cache_config.cache_dtype
+    head_dim = model.get_head_size()
+    one = torch.ones((), dtype=torch.float32, device=runner.device)  # the layers' default k/v/q scales
+    start = time.perf_counter()
+    warm_up(lambda kv_cache: CudaPagedCache(kv_cache, head_dim, cache_dtype, one, one, one, model.dtype),
+            runner.device, model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel), head_dim,
+            model.dtype, runner.cache_config.block_size, query_dtype(cache_dtype, model.dtype),
+            is_quantized_kv_cache(cache_dtype))
+    logger.info("vllm-evict: scoring kernels ready in %.1f s", time.perf_counter() - start)
+
+
+def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: int, head_dim: int,
+            dtype: torch.dtype, page: int, q_dtype: torch.dtype | None = None, fp8_cache: bool = False
+            ) -> list[WorkerEviction]:
+    """Run the engine's compaction path (compact_one) for every policy and allocation once on a short
+    prompt in two scratch layers of this head shape (make_cache: the backend's paged-cache adapter of a
+    [blocks, H_kv, page, 2*D] cache of `dtype`, or of fp8 bytes), so that every kernel is compiled with the
+    argument types the engine passes (none specialises on the prompt length or the layer count); window
+    queries of `q_dtype` (default: dtype). Ada-KV states then compact again in place at a decode point, the
+    path that scores uneven heads. Returns the compacted states."""
+    from vllm_evict.policies import ALLOCATIONS, POLICIES
+    from vllm_evict.policies.config import EvictionConfig
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    n, num_blocks = 16 * page, 32  # 16 prompt blocks and room for as many fresh ones (P <= 16)
+
+    def scratch(*shape, to):
+        values = torch.randn(*shape, generator=gen, device=device)
+        return values.to(torch.float8_e4m3fn).view(torch.uint8) if to == "fp8 bytes" else values.to(to)
+
+    layers = [(i, make_cache(scratch(num_blocks, num_kv_heads, page, 2 * head_dim,
+                                     to="fp8 bytes" if fp8_cache else dtype))) for i in range(2)]
+    states = []
+    for policy in POLICIES:
+        for allocation in ALLOCATIONS:
+            config = EvictionConfig.from_dict({"policy": policy, "budget": 4 * page, "allocation": allocation})
+            again = config.allocation == "adakv"
+            spec = RequestEviction(config, decode_budget=4 * page if again else None, decode_every=page)
+            window, pages = config.window_size(), config.num_pages(n, page)
+            state = WorkerEviction.for_prompt("warm-up", spec, n, page, prompt_block_ids=list(range(16)),
+                                              fresh_blocks=list(range(16, 16 + pages)))
+            for _ in range(2 if again else 1):
+                if window:
+                    state.q_window = scratch(len(layers), window, num_q_heads, head_dim, to=q_dtype or dtype)
+                compact_one([state], layers, head_dim ** -0.5)
+                if again:  # next: the decode point one page later, in place over the layout and that page
+                    state.kept_most()
+                    state.advance()
+                    state.prompt_block_ids = list(range(16, 17 + pages))
+                    state.fresh_blocks = list(range(16, 16 + -(-state.point.kept // page)))
+            states.append(state)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return states
