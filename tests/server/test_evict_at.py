@@ -59,13 +59,13 @@ def test_vllm_xargs_strings_are_typed_like_the_engine_types_them(monkeypatch):
     pytest.importorskip("vllm")
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    from vllm_evict.engine import serving
+    from vllm_evict.engine import openai_api
 
     # the OpenAI request hook alone, undone after the test: install_serving_hooks() would also move the
     # eviction report off the RequestOutputs of every later in-process engine test
     monkeypatch.setattr(CompletionRequest, "to_sampling_params",
-                        serving._with_eviction_field(CompletionRequest.to_sampling_params))
-    monkeypatch.setattr(serving, "server_defaults", lambda: {"allocation": "adakv"})
+                        openai_api._with_eviction_field(CompletionRequest.to_sampling_params))
+    monkeypatch.setattr(openai_api, "server_defaults", lambda: {"allocation": "adakv"})
     request = CompletionRequest(model="m", prompt="p", max_tokens=4,
                                 vllm_xargs={"eviction_policy": "snapkv", "eviction_budget": "0.25",
                                             "eviction_evict_at": "300", "other": 1})
