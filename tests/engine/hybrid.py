@@ -1,5 +1,6 @@
-"""The hybrid-model engine checks, shared by test_hybrid_gemma3.py, test_hybrid_gpt_oss.py and
-test_hybrid_qwen3_next.py (one engine per module): a model with sliding-window or linear-attention layers
+"""The hybrid-model engine tests, shared by test_hybrid_gemma3.py, test_hybrid_gpt_oss.py and
+test_hybrid_qwen3_next.py, which import the `test_*` functions below and provide the fixtures `engine`
+(one per module), `reference` and `exact`: a model with sliding-window or linear-attention layers
 beside its full-attention ones evicts the full-attention KV cache group only, and its tokens follow the
 independent reference decoder (vllm_evict.testing.reference), which runs the same HF model with attention
 it computes itself (sliding window, sinks). Pages are the engine's blocks of the full-attention group (vLLM
@@ -151,3 +152,26 @@ def check_aborts_leak_nothing(engine, seed: int = 2) -> None:
         step += 1
         assert step < 500
     assert idle(engine)
+
+
+def reference_for(model, dtype):
+    from vllm_evict.testing.reference import ReferenceDecoder
+
+    return ReferenceDecoder(model, dtype=dtype)
+
+
+def test_only_the_full_attention_group_is_evicted(engine):
+    check_only_full_attention_is_evicted(engine)
+
+
+def test_one_shot_eviction_follows_the_reference_in_a_mixed_batch(engine, reference, exact):
+    check_one_shot_mixed_batch(engine, reference, exact)
+
+
+def test_block_wise_and_decode_time_eviction_follow_the_reference(engine, reference, exact):
+    check_evicting_again(engine, reference, exact)
+
+
+def test_aborted_requests_return_every_group_s_blocks(engine):
+    check_aborts_leak_nothing(engine)
+

@@ -9,6 +9,10 @@ import pytest
 import torch
 
 from tests.engine import hybrid
+from tests.engine.hybrid import (reference_for, test_aborted_requests_return_every_group_s_blocks,  # noqa: F401
+                                 test_block_wise_and_decode_time_eviction_follow_the_reference,
+                                 test_one_shot_eviction_follows_the_reference_in_a_mixed_batch,
+                                 test_only_the_full_attention_group_is_evicted)
 from tests.engine.inprocess import inprocess_llm
 
 pytestmark = pytest.mark.engine
@@ -31,22 +35,9 @@ def engine(model):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    from vllm_evict.testing.reference import ReferenceDecoder
-
-    return ReferenceDecoder(model)
+    return reference_for(model, torch.float32)
 
 
-def test_only_the_full_attention_group_is_evicted(engine):
-    hybrid.check_only_full_attention_is_evicted(engine)
-
-
-def test_one_shot_eviction_matches_the_reference_in_a_mixed_batch(engine, reference):
-    hybrid.check_one_shot_mixed_batch(engine, reference, exact=EXACT)
-
-
-def test_block_wise_and_decode_time_eviction_match_the_reference(engine, reference):
-    hybrid.check_evicting_again(engine, reference, exact=EXACT)
-
-
-def test_aborted_requests_return_every_group_s_blocks(engine):
-    hybrid.check_aborts_leak_nothing(engine)
+@pytest.fixture(scope="module")
+def exact():
+    return EXACT

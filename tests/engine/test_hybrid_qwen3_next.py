@@ -10,9 +10,14 @@ import pytest
 import torch
 
 from tests.engine import hybrid
+from tests.engine.hybrid import (reference_for, test_aborted_requests_return_every_group_s_blocks,  # noqa: F401
+                                 test_block_wise_and_decode_time_eviction_follow_the_reference,
+                                 test_one_shot_eviction_follows_the_reference_in_a_mixed_batch,
+                                 test_only_the_full_attention_group_is_evicted)
 from tests.engine.inprocess import inprocess_llm
 
 pytestmark = pytest.mark.engine
+EXACT = False
 
 
 @pytest.fixture(scope="module")
@@ -24,30 +29,20 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    with inprocess_llm(model, dtype="bfloat16", mamba_ssm_cache_dtype="float32", block_size=hybrid.PAGE,
-                       max_model_len=1024, max_num_batched_tokens=256) as llm:
+    with inprocess_llm(model, block_size=hybrid.PAGE, max_model_len=1024, max_num_batched_tokens=256,
+                       dtype="bfloat16", mamba_ssm_cache_dtype="float32") as llm:
         yield llm
 
 
 @pytest.fixture(scope="module")
 def reference(model):
-    from vllm_evict.testing.reference import ReferenceDecoder
-
-    return ReferenceDecoder(model, dtype=torch.bfloat16)
+    return reference_for(model, torch.bfloat16)
 
 
-def test_only_the_full_attention_group_is_evicted(engine, reference):
-    hybrid.check_only_full_attention_is_evicted(engine)
-    assert sum(reference.evicts) == 1 and hybrid.page_of(engine) > hybrid.PAGE  # vLLM's block for the state
+@pytest.fixture(scope="module")
+def exact():
+    return EXACT
 
 
-def test_one_shot_eviction_follows_the_reference_in_a_mixed_batch(engine, reference):
-    hybrid.check_one_shot_mixed_batch(engine, reference, exact=False)
-
-
-def test_block_wise_and_decode_time_eviction_follow_the_reference(engine, reference):
-    hybrid.check_evicting_again(engine, reference, exact=False)
-
-
-def test_aborted_requests_return_every_group_s_blocks(engine):
-    hybrid.check_aborts_leak_nothing(engine)
+def test_pages_are_vllm_s_block_for_the_state(engine, reference):
+    assert sum(reference.evicts) == 1 and hybrid.page_of(engine) > hybrid.PAGE

@@ -39,7 +39,6 @@ class WorkerEvictionState:
         self.windows = WindowStore(0)            # every request's window queries (one per runner)
         self.layers: tuple | None = None         # (runner, attention_layers), set by its first plan
         self.group = None                        # layout.EvictedGroup: the KV cache group compacted (None: none)
-        self.evicted_layers: frozenset = frozenset()  # its layers' names (their metadata builders carry the plan)
 
     def attach_report(self, output):
         """Send compaction latencies, failures and trimmed fresh blocks to the scheduler on a
@@ -120,16 +119,16 @@ class WorkerEvictionState:
 
     def set_kv_cache_groups(self, runner, kv_cache_config) -> None:
         """The KV cache group compaction works on (layout.py), before the runner builds its metadata
-        builders (they read `evicted_layers`); None where the model cannot evict."""
+        builders (they read its layers' names off step.BUILD); None where the model cannot evict."""
         from vllm_evict.engine.layout import evicted_group, model_refusal
 
         group, reason = evicted_group(kv_cache_config)
         if reason is None:
             reason = model_refusal(runner.model_config, runner.vllm_config.scheduler_config)
         self.group = None if reason else group
-        self.evicted_layers = frozenset() if reason else frozenset(
+        BUILD.evicted_layers = frozenset() if reason else frozenset(
             kv_cache_config.kv_cache_groups[group.index].layer_names)
-        BUILD.evicted_layers, BUILD.hybrid = self.evicted_layers, bool(self.group and self.group.hybrid)
+        BUILD.hybrid = bool(self.group and self.group.hybrid)
         self.layers = None
 
     def build_plan(self, runner, scheduler_output) -> None:
@@ -293,7 +292,7 @@ class WorkerEvictionState:
         if self.layers is None or self.layers[0] is not runner:
             modules = runner.vllm_config.compilation_config.static_forward_context.values()
             impls = [m for m in modules if hasattr(getattr(m, "impl", None), "_cached_paged_cache")
-                     and m.impl.kv_sharing_target_layer_name is None and m.layer_name in self.evicted_layers]
+                     and m.impl.kv_sharing_target_layer_name is None and m.layer_name in BUILD.evicted_layers]
             layers = sorted(((extract_layer_index(m.layer_name), m.impl._cached_paged_cache(m, m.kv_cache))
                              for m in impls), key=lambda item: item[0])
             self.layers = (runner, layers, impls[0].impl.scale)

@@ -102,7 +102,8 @@ class ReferenceDecoder:
         # per layer: the last positions a query sees (None: all), its sinks [Hq] (None: none); and which evict
         self.windows = [getattr(a, "sliding_window", None) for a in attention]
         self.sinks = [getattr(a, "sinks", None) for a in attention]
-        self.evicts = [a is not None and w is None for a, w in zip(attention, self.windows)]
+        self.attends = [a is not None for a in attention]  # False: a linear-attention layer
+        self.evicts = [a and w is None for a, w in zip(self.attends, self.windows)]
         assert all(a.scaling == self.scale for a in attention if a is not None), "one softmax scale for every layer"
 
     def _forward(self, ids: list[int], start: int, callback, cache=None) -> tuple[torch.Tensor, object]:
@@ -269,8 +270,7 @@ class ReferenceDecoder:
             point = "decode" if decode_every and written > 0 and written % decode_every == 0 else None
             logits = forward([pending.pop(0)], done, point)
             done += 1
-        result.kept_per_layer = [store.counts() if self.windows[i] is not None or self.evicts[i] else []
-                                 for i, store in enumerate(stores)]
+        result.kept_per_layer = [store.counts() if attends else [] for store, attends in zip(stores, self.attends)]
         result.near_ties = self._near_ties
         return result
 
