@@ -2,7 +2,7 @@
 
 1. FlashAttention alone, decode shape (B requests x 8 KV heads x kv_len, 32 query heads): vLLM's stock
    call on the NHD cache vs the per-head call on the HND per-head page view, same bytes.
-2. In-process evict engine, Llama-3.1-8B shape (dummy weights): B requests evicted to kv_len per head,
+2. In-process evict engine, Llama-3.1-8B shape or another real config (--config; dummy weights): B requests evicted to kv_len per head,
    then a few decode steps under torch.profiler; and the compaction step of a batch of prompts.
 Prints the top operators by device time and by host time.
 
@@ -157,7 +157,7 @@ def engine_profile(args, out_dir: Path) -> None:
     from vllm_evict.engine import engine_kwargs
     from vllm_evict.testing.tiny_models import write_real_config
 
-    model = write_real_config("llama-3.1-8b", Path("/tmp/vllm-evict-bench"))
+    model = write_real_config(args.config, Path("/tmp/vllm-evict-bench"))
     llm = LLM(**engine_kwargs(model=str(model), load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.9,
                               block_size=16, max_model_len=args.max_model_len, max_num_batched_tokens=16384, seed=0))
     engine = llm.llm_engine
@@ -375,6 +375,7 @@ def main():
     ap.add_argument("--out-dir", default=".")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=16384)
+    ap.add_argument("--config", default="llama-3.1-8b", help="the model: a name of tiny_models.REAL_CONFIGS")
     ap.add_argument("--shared-prefix", action="store_true")
     ap.add_argument("--evicted-only", action="store_true")
     ap.add_argument("--prefill-only", action="store_true", help="profile prefill passes, plain vs evicting")

@@ -86,7 +86,7 @@ def make_engine(args):
     # Token ids in, token ids out: no detokenizer. Dummy weights emit ids outside the stand-in
     # tokenizer's vocabulary, and detokenizing them cost O(prompt length) per request per step.
     kwargs.update(block_size=16, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True, seed=0,
+                  max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.prefix_caching, seed=0,
                   skip_tokenizer_init=True)
     if args.tensor_parallel_size > 1:  # worker processes; the engine core stays here (its scheduler is read)
         kwargs.update(tensor_parallel_size=args.tensor_parallel_size, distributed_executor_backend="mp")
@@ -373,7 +373,7 @@ def suite_capacity(args, drv: Driver, deadline: float) -> dict:
             break
         eviction = eviction_of(args, budget, allocation)
         # Enough requests to outgrow the cache: ~1.3x what it holds at budget * prompt tokens each.
-        cache_tokens = drv.scheduler.kv_cache_manager.block_pool.num_gpu_blocks * 16
+        cache_tokens = drv.scheduler.kv_cache_manager.block_pool.num_gpu_blocks * tokens_per_block(drv.scheduler)
         num = args.num_requests if eviction is None else int(1.3 * cache_tokens / (budget * args.prompt_len)) + 16
         runs.append(run_load(args, drv, deadline, num, args.max_tokens, eviction, True))
     return {"runs": runs}
@@ -652,6 +652,13 @@ def kv_cache_groups(scheduler) -> list[dict]:
     return groups
 
 
+def tokens_per_block(scheduler) -> int:
+    """Tokens a block of the pool holds in the full-attention group (16, unless a linear-attention hybrid's
+    state pages set a larger attention block)."""
+    return max((g.kv_cache_spec.block_size for g in scheduler.kv_cache_config.kv_cache_groups
+                if type(g.kv_cache_spec).__name__ == "FullAttentionSpec"), default=16)
+
+
 SUITES = {"latency": suite_latency, "load": suite_load, "capacity": suite_capacity, "e2e": suite_e2e,
           "prefill": suite_prefill, "memory": suite_memory, "decode": suite_decode, "limit": suite_limit}
 
@@ -680,7 +687,7 @@ def run_one(args) -> dict:
                                                          "limit_vs_vanilla")} for r in result["limit"]["rows"]]}),
               flush=True)
     result.update(engine=args.engine, suite=args.suite, policy=None if args.engine == "vanilla" else args.policy,
-                  engine_start_s=start_s, kv_tokens_total=blocks * 16,
+                  engine_start_s=start_s, kv_tokens_total=blocks * tokens_per_block(sched),
                   cudagraph_mode=str(engine.vllm_config.compilation_config.cudagraph_mode),
                   kv_cache_groups=kv_cache_groups(sched),
                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -737,6 +744,12 @@ def _hybrid_plan(vanilla_requests: int, shape: str, seconds: int) -> list[tuple]
     return [("vanilla", "capacity,e2e", HYBRID_32K + ["--num-requests", str(vanilla_requests)] + e2e, seconds),
             ("evict", "capacity,e2e", HYBRID_32K + ["--shared-prefix", "--capacity-configs", "0.1:uniform"] + e2e,
              seconds)]
+
+
+def _hybrid_e2e_plan(shape: str, seconds: int) -> list[tuple]:
+    """End to end only, vanilla then DropKV 10%: the two engines one after the other on one GPU."""
+    e2e = HYBRID_32K + ["--shapes", shape]
+    return [("vanilla", "e2e", e2e, seconds), ("evict", "e2e", e2e, seconds)]
 
 
 def _decode_configs(*configs: dict) -> list[str]:
@@ -832,6 +845,12 @@ PLANS = {
                                "--eviction-options", '{"chunked": true, "chunk_size": 512}'], 330)],
     "hybrid-gpt-oss-20b": _hybrid_plan(36, "16384:512:64", 420),
     "hybrid-gemma-3-12b": _hybrid_plan(24, "16384:512:32", 420),
+    # Qwen3-Next without prefix caching, vLLM's default on linear-attention hybrids (an evicting request takes
+    # no prefix hits there: every request of the capacity run computes the shared prefix); end to end first,
+    # then capacity for as long as the budget lasts
+    "hybrid-qwen3-next": [(engine, "e2e,capacity", extra + ["--no-prefix-caching"], 480)
+                          for engine, _, extra, _ in _hybrid_plan(72, "16384:512:64", 480)],
+    "hybrid-e2e-gpt-oss-20b": _hybrid_e2e_plan("16384:512:64", 240),
     # the same capacity with distinct prompts: a sliding-window group's blocks are then each request's own
     "hybrid-capacity-distinct-gpt-oss-20b": [("vanilla", "capacity", HYBRID_32K + ["--num-requests", "36"], 300),
                                              ("evict", "capacity", HYBRID_32K + ["--capacity-configs", "0.1:uniform"],
@@ -846,7 +865,8 @@ PLANS = {
 PLAN_MODELS = {"hybrid-gpt-oss-20b": "gpt-oss-20b", "hybrid-gemma-3-12b": "gemma-3-12b",
                "no-eviction-gpt-oss-20b": "gpt-oss-20b", "no-eviction-gemma-3-12b": "gemma-3-12b",
                "hybrid-capacity-distinct-gpt-oss-20b": "gpt-oss-20b",
-               "hybrid-capacity-distinct-gemma-3-12b": "gemma-3-12b"}
+               "hybrid-capacity-distinct-gemma-3-12b": "gemma-3-12b",
+               "hybrid-qwen3-next": "qwen3-next-80b-a3b-64e", "hybrid-e2e-gpt-oss-20b": "gpt-oss-20b"}
 
 
 def vanilla_path() -> str:
@@ -926,6 +946,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--num-requests", type=int, default=64,
                    help="suite load: 0 = as many as the KV pool holds at once at this shape (fit_requests)")
     o.add_argument("--shared-prefix", action="store_true")
+    o.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="vLLM's --no-enable-prefix-caching (its default on linear-attention hybrids)")
     o.add_argument("--stall-steps", type=int, default=20)
     o.add_argument("--capacity-configs", nargs="+", type=str, default=["0.1:uniform"])
     o.add_argument("--ttft-cases", nargs="*", default=["8192x1", "32768x1", "65536x1", "8192x8", "32768x8"],

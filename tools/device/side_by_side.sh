@@ -2,7 +2,9 @@
 # One remote command on a machine of several GPUs: each JOB runs on a GPU of its own, all at once, so that
 # vanilla vLLM and vllm-evict (or several models) are measured in the same command on identical cards.
 #   JOB = PLAN:ENGINE (a benchmarks/serving.py plan's vanilla or evict engine), or test:PYTEST_ARGS
-#         (pytest arguments, spaces as commas), run on GPU index = the job's position.
+#         (pytest arguments, spaces as commas), or py:SCRIPT,ARGS (a python script of the checkout, spaces as
+#         commas; $OUT in ARGS is the job's own folder of files back), run on GPU index = the job's position.
+#         JOB+JOB+...: jobs one after another on that GPU.
 # usage: [COMMIT=sha] [BUDGET_S=570] bash tools/device/side_by_side.sh JOB...
 # Files back ($OUT): info.txt (GPUs, commit, jobs), JOB.log per job (warnings dropped), results.tgz (the JSONs).
 set -uo pipefail
@@ -15,17 +17,29 @@ budget=${BUDGET_S:-570}
   date -u; } > "$OUT/info.txt"
 mkdir -p /tmp/side
 gpu=0
-for job in "$@"; do
-  name=$(echo "$job" | tr ':,/ ' '____')
+job_command() {  # the shell command of one JOB
+  local job=$1 name args
+  name=$(echo "$job" | tr ':,/ $' '_____')
   if [[ $job == test:* ]]; then
     args=${job#test:}
     # from /tmp, the checkout appended to sys.path: the installed-layout mirror first (as device_calls.sh)
-    cmd="cd /tmp && python3 -m pytest -q -p no:cacheprovider --import-mode=append --rootdir $PWD -rfE \
+    echo "cd /tmp && python3 -m pytest -q -p no:cacheprovider --import-mode=append --rootdir $PWD -rfE \
 --tb=short $(for a in ${args//,/ }; do [[ $a == tests/* ]] && echo "$PWD/$a" || echo "$a"; done | tr '\n' ' ')"
+  elif [[ $job == py:* ]]; then
+    args=${job#py:}
+    args=${args//,/ }
+    mkdir -p "$OUT/$name"
+    echo "cd /tmp && python3 $PWD/${args//\$OUT/$OUT/$name}"
   else
     # from /tmp too: vLLM's model-inspection subprocess must not find the checkout's vllm_evict/ in its cwd
-    cmd="cd /tmp && python3 $PWD/benchmarks/serving.py run --plan ${job%%:*} --engines ${job##*:} --out-dir /tmp/side/$name"
+    echo "cd /tmp && python3 $PWD/benchmarks/serving.py run --plan ${job%%:*} --engines ${job##*:} --out-dir /tmp/side/$name"
   fi
+}
+for slot in "$@"; do
+  name=$(echo "$slot" | tr ':,/ $+' '______')
+  cmd=""
+  IFS='+' read -ra jobs <<< "$slot"
+  for job in "${jobs[@]}"; do cmd+="${cmd:+; }$(job_command "$job")"; done
   echo "GPU $gpu: $cmd" >> "$OUT/info.txt"
   (CUDA_VISIBLE_DEVICES=$gpu timeout $((budget - 10)) bash -c "$cmd" 2>&1 \
      | grep -v -E "Warning|warnings.warn|^\s*$" > "$OUT/$name.log"; echo "rc ${PIPESTATUS[0]}" >> "$OUT/$name.log") &

@@ -7,7 +7,8 @@ chat template. The hybrid kinds have the same attention heads: "gemma3" (two sli
 full attention, attention sinks, a 4-expert MoE) and "qwen3-next" (three Gated DeltaNet layers to one
 full-attention layer, a 4-expert MoE); the last two in bfloat16, the dtype vLLM's CPU kernels for sinks
 and Gated DeltaNet take. `write_real_config(NAME)` writes only config + tokenizer of a real model
-(REAL_CONFIGS: Llama-3.1-8B, Qwen2.5-7B, GPT-OSS-20B, Gemma-3-12B) for `load_format="dummy"` runs.
+(REAL_CONFIGS: Llama-3.1-8B, Qwen2.5-7B, GPT-OSS-20B, Gemma-3-12B, Qwen3-Next-80B-A3B's layers with fewer
+experts) for `load_format="dummy"` runs.
 """
 
 from __future__ import annotations
@@ -77,8 +78,21 @@ REAL_CONFIGS = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
         tie_word_embeddings=True, torch_dtype="bfloat16"),
+    # Qwen3-Next-80B-A3B's layers (three Gated DeltaNet layers to one gated full-attention layer, 2 KV heads of
+    # 256) with 64 of its 512 experts, so that it fits one 80 GB GPU: the experts change the MoE weights only,
+    # not the KV cache layout or the active parameters (10 routed + 1 shared expert per token)
+    "qwen3-next-80b-a3b-64e": dict(
+        architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", hidden_size=2048, intermediate_size=5120,
+        num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, num_experts=64, num_experts_per_tok=10, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, decoder_sparse_step=1, norm_topk_prob=True,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 12, vocab_size=151936,
+        max_position_embeddings=262144, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False, torch_dtype="bfloat16"),
 }
-HYBRID_CONFIGS = ("gpt-oss-20b", "gemma-3-12b")
+HYBRID_CONFIGS = ("gpt-oss-20b", "gemma-3-12b", "qwen3-next-80b-a3b-64e")
 
 
 def default_cache_dir() -> Path:
