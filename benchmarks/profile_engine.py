@@ -155,10 +155,12 @@ def engine_profile(args, out_dir: Path) -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_evict.engine import engine_kwargs
+    from vllm_evict.testing.engines import gpu_defaults
     from vllm_evict.testing.tiny_models import write_real_config
 
     model = write_real_config(args.config, Path("/tmp/vllm-evict-bench"))
-    llm = LLM(**engine_kwargs(model=str(model), load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.9,
+    llm = LLM(**engine_kwargs(**gpu_defaults(), model=str(model), load_format="dummy", dtype="bfloat16",
+                              gpu_memory_utilization=0.9,
                               block_size=16, max_model_len=args.max_model_len, max_num_batched_tokens=16384, seed=0))
     engine = llm.llm_engine
     sched = engine.engine_core.engine_core.scheduler

@@ -46,6 +46,7 @@ It is never used for vanilla, where shared blocks would inflate capacity.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import os
@@ -75,6 +76,8 @@ def make_engine(args):
             model = write_real_config("llama-3.1-8b", Path(args.workdir))
         kwargs = dict(model=str(model), load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.9,
                       attention_backend="FLASH_ATTN")
+        if importlib.util.find_spec("flashinfer") is None:  # as testing.engines.gpu_defaults (vanilla: no package)
+            kwargs["gdn_prefill_backend"] = "triton"
         if args.kv_cache_memory_bytes is not None:  # a capped KV pool
             kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
         kwargs["kv_cache_dtype"] = args.kv_cache_dtype

@@ -17,12 +17,22 @@ CPU_DEFAULTS: dict[str, Any] = dict(
 )
 
 
+def gpu_defaults() -> dict[str, Any]:
+    """What a GPU engine of the tests and benchmarks needs where FlashInfer is not installed (the project's
+    GPU machine): vLLM's Triton Gated DeltaNet prefill, where on Hopper it would pick FlashInfer's."""
+    import importlib.util
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is not None:
+        return {}
+    return dict(gdn_prefill_backend="triton")
+
+
 def make_llm(model: str, **overrides: Any):
     """A `vllm.LLM` with the vllm-evict plugin's engine kwargs; CPU defaults when no GPU is present."""
     from vllm import LLM
 
     from vllm_evict.engine import engine_kwargs
 
-    kwargs = dict(CPU_DEFAULTS) if not torch.cuda.is_available() else {}
+    kwargs = dict(CPU_DEFAULTS) if not torch.cuda.is_available() else gpu_defaults()
     kwargs.update(overrides)
     return LLM(**engine_kwargs(model=str(model), **kwargs))
