@@ -443,6 +443,19 @@ def test_invalid_eviction_via_client_and_xargs(client, http):
     assert_still_serving(client)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_budget_below_the_page_size_400(client, http, stream):
+    """The rule that needs the engine's page size (16 tokens here) is checked before any stream starts too."""
+    for path, body in (("/v1/chat/completions", {"messages": messages("small decode budget"),
+                                                  "eviction": {"policy": "dropkv", "decode_budget": 3}}),
+                       ("/v1/completions", {"prompt": long_prompt("small decode budget"),
+                                            "vllm_xargs": {"eviction_policy": "dropkv", "eviction_decode_budget": 3}})):
+        r = http.post(path, json={"model": MODEL, "max_tokens": 2, "stream": stream, **body})
+        message = assert_error(r, 400, param="eviction")["message"]
+        assert "decode_budget" in message and "page size (16 tokens)" in message, message
+    assert_still_serving(client)
+
+
 # ------------------------------------------------------------------------------------------- metrics
 def test_metrics(client, http):
     _, _, usage = create(client, "completions", "metrics warmup", max_tokens=2, extra_body={"ignore_eos": True})

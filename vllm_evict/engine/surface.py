@@ -91,6 +91,10 @@ SURFACE: dict[str, dict[str, str]] = {
         "vllm.v1.engine.output_processor:RequestState.make_request_output":
             "self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params=, ec_transfer_params=",
         "vllm.outputs:RequestOutput.add": "self, next_output, aggregate",
+        "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat.create_chat_completion":
+            "self, request, raw_request=",
+        "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion.create_completion":
+            "self, request, raw_request=",
         "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat.chat_completion_full_generator":
             "self, request, result_generator, request_id, model_name, conversation, tokenizer, request_metadata, "
             "parser=, mm_token_counts=",
