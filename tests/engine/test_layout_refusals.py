@@ -1,7 +1,8 @@
 """Which KV layouts evict, and how the ones that cannot are refused (engine/layout.py): the group rule on KV
 cache configs of each kind, then a real engine whose layout cannot evict (tiny Gemma 3 with the hybrid KV
 cache manager disabled, so its sliding-window layers share the full-attention layers' blocks): a request
-with an `eviction` object is refused at the API naming the layout, `policy: none` runs, and an engine told
+with an `eviction` object is refused at the API naming the layout (by the OpenAI handlers too, before a
+stream starts), `policy: none` runs, and an engine told
 to evict every request by default refuses to start."""
 
 from __future__ import annotations
@@ -79,6 +80,19 @@ def test_a_layout_that_cannot_evict_is_refused_by_name(model, monkeypatch):
             llm.generate([prompt], [params({"policy": "snapkv", "budget": 0.5})])
         out = llm.generate([prompt], [params({"policy": "none"})])[0]  # no eviction asked: served
         assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+        # the OpenAI handlers run the same check before they start a response (streaming or not)
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.exceptions import VLLMValidationError
+
+        from vllm_evict.engine.openai_api import checked_request
+
+        def chat(eviction):
+            return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
+                                         eviction=eviction)
+
+        with pytest.raises(VLLMValidationError, match="cannot evict.*sliding-window layers"):
+            checked_request(chat({"policy": "snapkv", "budget": 0.5}), llm.llm_engine.vllm_config)
+        assert checked_request(chat({"policy": "none"}), llm.llm_engine.vllm_config) is None
     # told to evict every request by default, the engine refuses to start with the same reason
     from vllm_evict.engine.request_config import DEFAULT_ENV
 

@@ -54,6 +54,16 @@ def model_refusal(model_config, scheduler_config=None) -> str | None:
     return None
 
 
+def check_on_engine(spec, vllm_config) -> None:
+    """Raise ValueError when an evicting request (request_config.RequestEviction) cannot run on this engine:
+    a model that cannot evict, or a rule that needs the engine's page size. Run where requests arrive (the
+    input processor; the OpenAI handlers, before a stream starts), so the client gets a 400."""
+    reason = model_refusal(vllm_config.model_config, vllm_config.scheduler_config)
+    if reason is not None:
+        raise ValueError(f"this model cannot evict: {reason} (send \"policy\": \"none\" or no eviction)")
+    spec.check_page_size(vllm_config.cache_config.block_size)
+
+
 def _has_window_layers(text_config) -> bool:
     layer_types = getattr(text_config, "layer_types", None) or []
     return any("sliding" in str(kind) or "local" in str(kind) for kind in layer_types) or bool(

@@ -8,8 +8,8 @@ eviction reports, and `usage.eviction` in responses.
   and writes the result to `extra_args["vllm_evict"]` (`{"policy": "none"}` when the request does not
   evict). A bad value raises vLLM's `VLLMValidationError`, so the client gets a 400 before any stream
   starts. The chat and completion handlers are wrapped to check, before they start a response, the rules
-  that need the engine's page size (`decode_budget`): the input processor checks them too, but only once
-  a stream has started.
+  that need the engine's config (a model that cannot evict; `decode_budget` against the page size): the
+  input processor checks them too, but only once a stream has started.
 * **Reports.** The engine sends a request's report in `kv_transfer_params`: on its output of the step
   after compaction (scheduler.py) and on its final output. `RequestState.make_request_output` is wrapped
   to keep it on the request's state (so a request that the API process ends itself, on a stop string,
@@ -56,15 +56,18 @@ def resolve_request(request):
     return resolve(request_fields(request), server_defaults())
 
 
-def checked_request(request, page_size: int | None = None):
+def checked_request(request, vllm_config=None):
     """resolve_request, a bad value raised as vLLM's `VLLMValidationError` (a 400 naming `eviction`); given
-    the engine's page size, the rules that need it too (RequestEviction.check_page_size)."""
+    the engine's config, the rules that need it too (layout.check_on_engine: the model can evict, the
+    page size)."""
     from vllm.exceptions import VLLMValidationError
+
+    from vllm_evict.engine.layout import check_on_engine
 
     try:
         config = resolve_request(request)
-        if config is not None and page_size is not None:
-            config.spec.check_page_size(page_size)
+        if config is not None and vllm_config is not None:
+            check_on_engine(config.spec, vllm_config)
     except ValueError as exc:
         raise VLLMValidationError(str(exc), parameter="eviction") from None
     return config
@@ -83,14 +86,15 @@ def _with_eviction_field(to_sampling_params):
     return wrapped
 
 
-def _checks_page_size(create):
-    """A chat or completion handler that refuses what the engine's page size refuses before it starts a
-    response. The input processor refuses it too (scheduler.plan_eviction), but vLLM runs it only when the
-    response reads the engine's output: a stream would have sent its 200 and carry the error as an event."""
+def _checks_engine_rules(create):
+    """A chat or completion handler that refuses, before it starts a response, what needs the engine's
+    config (a model that cannot evict, the page size). The input processor refuses the same, but vLLM runs it
+    only when the response reads the engine's output: a stream would have sent its 200 and carry the error
+    as an event."""
 
     @functools.wraps(create)
     async def wrapped(self, request, *args, **kwargs):
-        checked_request(request, self.engine_client.vllm_config.cache_config.block_size)
+        checked_request(request, self.engine_client.vllm_config)
         return await create(self, request, *args, **kwargs)
 
     return wrapped
@@ -235,8 +239,8 @@ def install_serving_hooks() -> None:
         request_cls.to_sampling_params = _with_eviction_field(request_cls.to_sampling_params)
     RequestState.make_request_output = _attach_reports(RequestState.make_request_output)
     RequestOutput.add = _keep_reports(RequestOutput.add)
-    OpenAIServingChat.create_chat_completion = _checks_page_size(OpenAIServingChat.create_chat_completion)
-    OpenAIServingCompletion.create_completion = _checks_page_size(OpenAIServingCompletion.create_completion)
+    OpenAIServingChat.create_chat_completion = _checks_engine_rules(OpenAIServingChat.create_chat_completion)
+    OpenAIServingCompletion.create_completion = _checks_engine_rules(OpenAIServingCompletion.create_completion)
 
     chat_full = OpenAIServingChat.chat_completion_full_generator
     chat_stream = OpenAIServingChat.chat_completion_stream_generator

@@ -65,7 +65,7 @@ def _install_request_validation() -> None:
     (scheduler.never_fit_reason; the scheduler keeps the same check for requests that bypass this)."""
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from vllm_evict.engine.layout import model_refusal
+    from vllm_evict.engine.layout import check_on_engine
     from vllm_evict.engine.request_config import parse_request, resolve_request
     from vllm_evict.engine.scheduler import kv_head_groups, never_fit_reason, plan_eviction
 
@@ -77,10 +77,9 @@ def _install_request_validation() -> None:
         original_validate(self, params, *args, **kwargs)
         if hasattr(params, "extra_args"):  # SamplingParams (pooling requests have no eviction)
             params.extra_args = resolve_request(params.extra_args)
-            if parse_request(params.extra_args) is not None:
-                reason = model_refusal(self.vllm_config.model_config, self.vllm_config.scheduler_config)
-                if reason is not None:
-                    raise ValueError(f"this model cannot evict: {reason} (send \"policy\": \"none\" or no eviction)")
+            spec = parse_request(params.extra_args)
+            if spec is not None:
+                check_on_engine(spec, self.vllm_config)
 
     def process_inputs(self, *args, **kwargs):
         request = original_process(self, *args, **kwargs)
