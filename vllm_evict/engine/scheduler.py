@@ -402,7 +402,14 @@ class _EvictionSchedulerMixin:
         if ev is None or ev.swap_pending or ev.next_point is None:
             return num_new_tokens
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
-        return min(num_new_tokens, ev.next_point - start) if start < ev.next_point else num_new_tokens
+        if start >= ev.next_point:
+            return num_new_tokens
+        to_point = ev.next_point - start
+        if num_new_tokens >= to_point > 1 and start >= request.num_prompt_tokens:
+            # a decode step's tokens after its first are draft tokens (speculative decoding), which may be
+            # rejected: it stops a token short of the point, which a step of one verified token then reaches
+            return to_point - 1
+        return min(num_new_tokens, to_point)
 
     def _preempt_request(self, request, timestamp) -> None:
         super()._preempt_request(request, timestamp)

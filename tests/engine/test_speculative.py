@@ -1,0 +1,61 @@
+"""Eviction with speculative decoding (vLLM's n-gram drafter, 4 draft tokens) on CPU: a decode step carries
+draft tokens that the target may reject, so the step that would reach a decode point stops a token short
+and a step of one verified token reaches it (DESIGN.md §4.8 g). Greedy speculation is lossless, so every
+request's tokens equal the reference's replay of the same points as without speculation: one-shot,
+block-wise and decode-budget requests, uniform and Ada-KV, in one batch with a plain request, while the
+drafter proposes tokens the target both accepts and rejects. One engine for the module."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.inprocess import inprocess_llm
+from tests.engine.test_eviction import check_against_reference, params, random_prompt, scheduler_of
+
+pytestmark = pytest.mark.engine
+
+PAGE = 16
+MAX_TOKENS = 150  # decode points every 32 generated tokens: 4 of them
+CASES = [
+    {"policy": "snapkv", "budget": 0.3},
+    {"policy": "keydiff", "budget": 0.3, "chunked": True, "chunk_size": 64},
+    {"policy": "dropkv", "decode_budget": 48, "decode_every": 32},
+    {"policy": "snapkv", "decode_budget": 48, "decode_every": 32, "allocation": "adakv"},
+    {"policy": "tova", "budget": 0.5, "decode_budget": 64, "decode_every": 32, "allocation": "adakv"},
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    speculation = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+    with inprocess_llm(tiny_llama, block_size=PAGE, max_model_len=1280, max_num_batched_tokens=256,
+                       speculative_config=speculation, disable_log_stats=False) as llm:
+        yield llm
+
+
+def spec_counters(engine) -> dict[str, float]:
+    return {m.name: m.value for m in engine.get_metrics()
+            if m.name in ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")}
+
+
+def test_eviction_with_speculative_decoding_follows_the_reference(engine, reference):
+    from vllm_evict.engine.request_config import parse_request
+
+    prompt = (random_prompt(7, 40) * 6)[:230]  # repeated text: the n-gram drafter finds matches
+    before = spec_counters(engine)
+    requests = [None, *CASES]
+    outputs = engine.generate([{"prompt_token_ids": prompt}] * len(requests), [params(c, MAX_TOKENS) for c in requests])
+    after = spec_counters(engine)
+    drafted = after["vllm:spec_decode_num_draft_tokens"] - before.get("vllm:spec_decode_num_draft_tokens", 0)
+    accepted = after["vllm:spec_decode_num_accepted_tokens"] - before.get("vllm:spec_decode_num_accepted_tokens", 0)
+    assert 0 < accepted < drafted, (accepted, drafted)  # drafts both accepted and rejected
+
+    check_against_reference(outputs[0], reference.generate(prompt, MAX_TOKENS), "no eviction")
+    for case, out in zip(CASES, outputs[1:]):
+        expected = reference.replay(prompt, MAX_TOKENS, parse_request({"vllm_evict": case}), page_size=PAGE)
+        check_against_reference(out, expected, str(case))
+        report = out.kv_transfer_params["vllm_evict"]
+        if "decode_budget" in case:
+            assert report["decode_compactions"] == 4 and report["decode_blocks_freed"] > 0, (case, report)
+    pool = scheduler_of(engine).kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 and not scheduler_of(engine).evictions
