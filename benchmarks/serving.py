@@ -908,7 +908,53 @@ def run_plan(args) -> int:
         combined.append(json.loads(out.read_text()) if out.exists() else {"engine": engine, "suite": suite,
                                                                              "failed": rc})
     (out_dir / f"{args.plan}.json").write_text(json.dumps(combined, indent=1))
+    rows = against_limits(combined)
+    if rows:
+        (out_dir / f"{args.plan}_against_limits.json").write_text(json.dumps(rows, indent=1))
+    print_against_limits(rows)
     return 0
+
+
+def against_limits(results: list[dict]) -> list[dict]:
+    """Each vllm-evict measurement of a plan next to the physical limit its vanilla engine measured: suite
+    e2e (per shape and allocation) and suite decode against suite limit (per decode budget and interval)."""
+    rows = []
+    vanilla = [r for r in results if r.get("engine") == "vanilla"]
+    evict = [r for r in results if r.get("engine") == "evict"]
+    limits = {s["shape"]: s for r in vanilla for s in r.get("shapes", []) if s.get("limit_s")}
+    for r in evict:
+        for shape in r.get("shapes", []):
+            base = limits.get(shape["shape"])
+            if base is not None:
+                rows.append(_against("e2e " + shape["shape"], shape.get("allocation"), base["load"]["wall_s"],
+                                     base["limit_s"], shape["load"]["wall_s"]))
+    decode_limits = {(row["decode_budget"], row["decode_every"]): (r["limit"]["shape"], row)
+                     for r in vanilla if "limit" in r for row in r["limit"]["rows"]}
+    for r in evict:
+        for run in r.get("runs", []) if "decode" in r.get("suite", "").split(",") else []:
+            config = run.get("eviction") or {}
+            found = decode_limits.get((config.get("decode_budget"), config.get("decode_every", 128)))
+            if found is not None and "wall_s" in run:
+                shape, row = found
+                rows.append(_against(f"decode {shape}, decode_budget {row['decode_budget']} every "
+                                     f"{row['decode_every']}", config.get("allocation", "uniform"),
+                                     row.get("vanilla_wall_s"), row["limit_s"], run["wall_s"]))
+    return rows
+
+
+def _against(what: str, allocation: str | None, vanilla_s: float | None, limit_s: float, evict_s: float) -> dict:
+    return {"what": what, "allocation": allocation or "uniform", "vanilla_s": vanilla_s, "limit_s": limit_s,
+            "evict_s": evict_s, "speedup": round(vanilla_s / evict_s, 2) if vanilla_s else None,
+            "of_limit": round(limit_s / evict_s, 3)}
+
+
+def print_against_limits(rows: list[dict]) -> None:
+    if rows:
+        print("\nvllm-evict against the physical limit (wall seconds):")
+        for row in rows:
+            print(f"  {row['what']} [{row['allocation']}]: vanilla {row['vanilla_s']}  limit {row['limit_s']}  "
+                  f"vllm-evict {row['evict_s']}  ({row['of_limit']:.1%} of the limit"
+                  + (f", {row['speedup']}x vanilla)" if row["speedup"] else ")"), flush=True)
 
 
 def parse_capacity(values: list[str]) -> list[tuple[float, str]]:

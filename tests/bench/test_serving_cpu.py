@@ -1,6 +1,7 @@
 """The serving benchmark script (benchmarks/serving.py) end to end on CPU with a tiny model: vanilla vs
 vllm-evict under a KV-bound load, and the latency suite. Checks what the GPU tables are built from."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -114,6 +115,17 @@ def test_limit_suite_on_vanilla(tmp_path):
     assert row["waves"] == [8] and row["complete"]
     assert row["limit_s"] == pytest.approx(row["prefill_only_s"] + row["decode_s"], abs=0.02)
     assert row["vanilla_wall_s"] == run["runs"][0]["wall_s"] and row["limit_vs_vanilla"] > 0
+    # the evict engine's run of the same decode budget, set next to that limit as `run --plan` prints it
+    evict = run_one(tmp_path, "evict", "--engine", "evict", "--suite", "decode", "--prompt-len", "64",
+                    "--max-tokens", "100", "--num-requests", "8", "--decode-configs", config)
+    spec = importlib.util.spec_from_file_location("serving_bench", ROOT / "benchmarks" / "serving.py")
+    serving = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serving)
+    (against,) = serving.against_limits([run, evict])
+    assert against["what"] == "decode 8 x 64 in / 100 out, decode_budget 32 every 16", against
+    assert (against["limit_s"], against["evict_s"], against["vanilla_s"]) == (
+        row["limit_s"], evict["runs"][0]["wall_s"], row["vanilla_wall_s"])
+    assert against["of_limit"] == pytest.approx(row["limit_s"] / evict["runs"][0]["wall_s"], abs=1e-3)
 
 
 def test_load_at_capacity_and_e2e_on_one_engine(tmp_path):

@@ -2,6 +2,7 @@
 decode-budget arithmetic of suite limit follows the engine's CompactionSchedule, and the limit sums a measured step-time curve as documented."""
 
 import importlib.util
+import json
 import re
 import shlex
 import statistics
@@ -156,3 +157,14 @@ def test_eval_kv_cache_dtype():
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
     assert config_from_args(parser.parse_args(shlex.split(cfg.command())[1:])) == cfg
+
+
+def test_end_to_end_runs_set_next_to_their_limit(serving):
+    """`run --plan` prints each vllm-evict e2e run next to the limit its vanilla engine measured: here the
+    GPT-OSS-20B runs recorded in docs/results (H200, both engines on one GPU)."""
+    results = [json.loads((ROOT / "docs/results/hybrid" / f"hybrid-e2e-gpt-oss-20b_{name}_e2e.json").read_text())
+               for name in ("0_vanilla", "1_evict")]
+    (row,) = serving.against_limits(results)
+    assert (row["what"], row["allocation"]) == ("e2e 16384 in / 512 out x 64", "uniform")
+    assert (row["vanilla_s"], row["limit_s"], row["evict_s"]) == (25.57, 21.47, 23.06)
+    assert (row["of_limit"], row["speedup"]) == (0.931, 1.11)
