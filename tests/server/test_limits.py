@@ -28,12 +28,14 @@ def test_a_prompt_over_max_model_len_is_a_400(server):
     assert "512" in message
 
 
-def test_a_request_that_can_never_fit_the_kv_cache_is_a_400(server):
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_that_can_never_fit_the_kv_cache_is_a_400(server, stream):
     """One-shot eviction holds the prompt's 32 blocks and P fresh ones at the eviction point: at half budget
-    that is more than the 39 usable blocks, so the request could only wait forever. The same prompt runs
-    without eviction, and at a 10% budget."""
+    that is more than the 39 usable blocks, so the request could only wait forever: a 400 before any stream
+    starts. The same prompt runs without eviction, and at a 10% budget."""
     prompt = [5 + i % 50 for i in range(500)]
-    message = error_message(post(server, prompt=prompt, max_tokens=4, eviction={"policy": "snapkv", "budget": 0.5}))
+    message = error_message(post(server, prompt=prompt, max_tokens=4, stream=stream,
+                                 eviction={"policy": "snapkv", "budget": 0.5}))
     assert "can never fit the KV cache" in message and "the cache has 39" in message, message
     assert post(server, prompt=prompt, max_tokens=4).status_code == 200
     assert post(server, prompt=prompt, max_tokens=4, eviction={"policy": "snapkv", "budget": 0.1}).status_code == 200

@@ -8,8 +8,9 @@ eviction reports, and `usage.eviction` in responses.
   and writes the result to `extra_args["vllm_evict"]` (`{"policy": "none"}` when the request does not
   evict). A bad value raises vLLM's `VLLMValidationError`, so the client gets a 400 before any stream
   starts. The chat and completion handlers are wrapped to check, before they start a response, the rules
-  that need the engine's config (a model that cannot evict; `decode_budget` against the page size): the
-  input processor checks them too, but only once a stream has started.
+  that need the engine's config (a model that cannot evict; `decode_budget` against the page size), and
+  `AsyncLLM.generate` refuses, when the handler calls it, a request that could never fit the KV cache: the
+  input processor checks both too, but only once a stream has started.
 * **Reports.** The engine sends a request's report in `kv_transfer_params`: on its output of the step
   after compaction (scheduler.py) and on its final output. `RequestState.make_request_output` is wrapped
   to keep it on the request's state (so a request that the API process ends itself, on a stop string,
@@ -96,6 +97,26 @@ def _checks_engine_rules(create):
     async def wrapped(self, request, *args, **kwargs):
         checked_request(request, self.engine_client.vllm_config)
         return await create(self, request, *args, **kwargs)
+
+    return wrapped
+
+
+def _refuses_what_never_fits(generate):
+    """AsyncLLM.generate, refusing when called (a ValueError, a 400) a request of token ids that could never fit
+    the KV cache: vLLM's handlers call it before they start a response but run its body, where the input
+    processor makes the same check, only once the response reads the output: a stream would have sent its
+    200 already."""
+
+    @functools.wraps(generate)
+    def wrapped(self, prompt, sampling_params, request_id, *args, **kwargs):
+        from vllm_evict.engine.plugin import never_fits
+
+        token_ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        if token_ids is not None:
+            reason = never_fits(self.vllm_config, len(token_ids), sampling_params)
+            if reason is not None:
+                raise ValueError(reason)
+        return generate(self, prompt, sampling_params, request_id, *args, **kwargs)
 
     return wrapped
 
@@ -227,6 +248,7 @@ def install_serving_hooks() -> None:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
         from vllm.outputs import RequestOutput
+        from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.engine.output_processor import RequestState
     except ImportError:  # pragma: no cover - a vLLM build without the OpenAI server
         return
@@ -239,6 +261,7 @@ def install_serving_hooks() -> None:
         request_cls.to_sampling_params = _with_eviction_field(request_cls.to_sampling_params)
     RequestState.make_request_output = _attach_reports(RequestState.make_request_output)
     RequestOutput.add = _keep_reports(RequestOutput.add)
+    AsyncLLM.generate = _refuses_what_never_fits(AsyncLLM.generate)
     OpenAIServingChat.create_chat_completion = _checks_engine_rules(OpenAIServingChat.create_chat_completion)
     OpenAIServingCompletion.create_completion = _checks_engine_rules(OpenAIServingCompletion.create_completion)
 

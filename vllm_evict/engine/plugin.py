@@ -67,7 +67,6 @@ def _install_request_validation() -> None:
 
     from vllm_evict.engine.layout import check_on_engine
     from vllm_evict.engine.request_config import parse_request, resolve_request
-    from vllm_evict.engine.scheduler import kv_head_groups, never_fit_reason, plan_eviction
 
     if getattr(InputProcessor, "_vllm_evict_validates", False):
         return
@@ -83,16 +82,9 @@ def _install_request_validation() -> None:
 
     def process_inputs(self, *args, **kwargs):
         request = original_process(self, *args, **kwargs)
-        params, cache = request.sampling_params, self.vllm_config.cache_config
-        # num_gpu_blocks: set once the engine started (summed over engines under data parallelism)
-        if params is None or not cache.num_gpu_blocks or self.vllm_config.parallel_config.data_parallel_size > 1:
-            return request
         num_prompt = (len(request.prompt_token_ids) if request.prompt_token_ids is not None
                       else len(request.prompt_embeds))
-        spec = parse_request(params.extra_args)
-        ev = None if spec is None else plan_eviction(spec, num_prompt, cache.block_size,
-                                                     kv_head_groups(self.vllm_config))
-        reason = never_fit_reason(num_prompt + params.max_tokens, cache.block_size, cache.num_gpu_blocks, ev)
+        reason = never_fits(self.vllm_config, num_prompt, request.sampling_params)
         if reason is not None:
             raise ValueError(reason)
         return request
@@ -100,6 +92,21 @@ def _install_request_validation() -> None:
     InputProcessor._validate_params = _validate_params
     InputProcessor.process_inputs = process_inputs
     InputProcessor._vllm_evict_validates = True
+
+
+def never_fits(vllm_config, num_prompt: int, params) -> str | None:
+    """Why a request of `num_prompt` tokens could never fit the KV cache, even alone (scheduler.never_fit_reason),
+    as far as this process knows the cache: None before the engine started, and under data parallelism, where
+    the API process knows only the engines' summed cache (the scheduler checks it again in every case)."""
+    from vllm_evict.engine.request_config import parse_request
+    from vllm_evict.engine.scheduler import kv_head_groups, never_fit_reason, plan_eviction
+
+    cache = vllm_config.cache_config
+    if params is None or not cache.num_gpu_blocks or vllm_config.parallel_config.data_parallel_size > 1:
+        return None
+    spec = parse_request(params.extra_args)
+    ev = None if spec is None else plan_eviction(spec, num_prompt, cache.block_size, kv_head_groups(vllm_config))
+    return never_fit_reason(num_prompt + params.max_tokens, cache.block_size, cache.num_gpu_blocks, ev)
 
 
 def _allow_prompts_beyond_kv_cache() -> None:

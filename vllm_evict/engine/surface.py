@@ -91,6 +91,10 @@ SURFACE: dict[str, dict[str, str]] = {
         "vllm.v1.engine.output_processor:RequestState.make_request_output":
             "self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params=, ec_transfer_params=",
         "vllm.outputs:RequestOutput.add": "self, next_output, aggregate",
+        # called by the handlers before a response starts: a request that never fits is refused there
+        "vllm.v1.engine.async_llm:AsyncLLM.generate":
+            "self, prompt, sampling_params, request_id, prompt_text=, lora_request=, tokenization_kwargs=, "
+            "trace_headers=, priority=, data_parallel_rank=, reasoning_ended=, reasoning_parser_kwargs=",
         "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat.create_chat_completion":
             "self, request, raw_request=",
         "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion.create_completion":
