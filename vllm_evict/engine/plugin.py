@@ -92,21 +92,46 @@ def _install_request_validation() -> None:
     InputProcessor._validate_params = _validate_params
     InputProcessor.process_inputs = process_inputs
     InputProcessor._vllm_evict_validates = True
+    _record_each_engine_s_cache()
+
+
+def _record_each_engine_s_cache() -> None:
+    """The engine client adds each engine's KV cache blocks to `cache_config.num_gpu_blocks` as the engines
+    report ready (summed under data parallelism); keep each engine's own count too, so that the API process
+    refuses what no engine could hold (`never_fits`), not what only the sum could."""
+    from vllm.v1.engine.core_client import MPClient
+
+    original = MPClient._apply_ready_response
+
+    def _apply_ready_response(self, payload):
+        cache = self.vllm_config.cache_config
+        before = cache.num_gpu_blocks or 0
+        original(self, payload)
+        if payload and cache.num_gpu_blocks:
+            cache.vllm_evict_engine_blocks = [*getattr(cache, "vllm_evict_engine_blocks", []),
+                                              cache.num_gpu_blocks - before]
+
+    MPClient._apply_ready_response = _apply_ready_response
 
 
 def never_fits(vllm_config, num_prompt: int, params) -> str | None:
     """Why a request of `num_prompt` tokens could never fit the KV cache, even alone (scheduler.never_fit_reason),
-    as far as this process knows the cache: None before the engine started, and under data parallelism, where
-    the API process knows only the engines' summed cache (the scheduler checks it again in every case)."""
+    as far as this process knows the cache: None before the engines started. Under data parallelism the
+    largest engine's cache counts (a request that fits none of them), once every engine reported its own;
+    the scheduler checks each request again in every case."""
     from vllm_evict.engine.request_config import parse_request
     from vllm_evict.engine.scheduler import kv_head_groups, never_fit_reason, plan_eviction
 
     cache = vllm_config.cache_config
-    if params is None or not cache.num_gpu_blocks or vllm_config.parallel_config.data_parallel_size > 1:
+    blocks = cache.num_gpu_blocks
+    if vllm_config.parallel_config.data_parallel_size > 1:
+        engines = getattr(cache, "vllm_evict_engine_blocks", [])
+        blocks = max(engines) if len(engines) == vllm_config.parallel_config.data_parallel_size else None
+    if params is None or not blocks:
         return None
     spec = parse_request(params.extra_args)
     ev = None if spec is None else plan_eviction(spec, num_prompt, cache.block_size, kv_head_groups(vllm_config))
-    return never_fit_reason(num_prompt + params.max_tokens, cache.block_size, cache.num_gpu_blocks, ev)
+    return never_fit_reason(num_prompt + params.max_tokens, cache.block_size, blocks, ev)
 
 
 def _allow_prompts_beyond_kv_cache() -> None:

@@ -79,6 +79,8 @@ SURFACE: dict[str, dict[str, str]] = {
         "vllm.distributed:get_tensor_model_parallel_rank": "",
         "vllm.config:ModelConfig.get_total_num_kv_heads": "self",
         "vllm.config:ModelConfig.get_num_kv_heads": "self, parallel_config",
+        # plugin.py: each engine's KV cache blocks, as the engine client adds them up (data parallelism)
+        "vllm.v1.engine.core_client:MPClient._apply_ready_response": "self, payload",
         # plugin.py: the start-up check relaxed by VLLM_EVICT_ALLOW_LONG_PROMPTS
         "vllm.v1.core.kv_cache_utils:_check_enough_kv_cache_memory":
             "available_memory, get_needed_memory, max_model_len, estimate_max_model_len",
