@@ -168,3 +168,4 @@ def test_end_to_end_runs_set_next_to_their_limit(serving):
     assert (row["what"], row["allocation"]) == ("e2e 16384 in / 512 out x 64", "uniform")
     assert (row["vanilla_s"], row["limit_s"], row["evict_s"]) == (25.57, 21.47, 23.06)
     assert (row["of_limit"], row["speedup"]) == (0.931, 1.11)
+    assert (row["limit_mixed_s"], row["of_limit_mixed"]) == (22.96, 0.996)  # vanilla's prefill phase: 20.07 s
