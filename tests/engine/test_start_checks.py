@@ -1,6 +1,5 @@
 """Settings eviction does not support are refused at engine start with a message that names the flag,
-instead of failing mid-serving: a quantized KV cache other than e4m3 fp8 on CUDA, and
-pipeline parallelism."""
+instead of failing mid-serving: a quantized KV cache other than e4m3 fp8 on CUDA."""
 
 from __future__ import annotations
 
@@ -8,10 +7,9 @@ import re
 
 import pytest
 
-from vllm_evict.engine.attention import check_cache_dtype, check_pipeline_parallel
+from vllm_evict.engine.attention import check_cache_dtype
 
 MESSAGE = "vllm-evict does not support the KV cache dtype '{0}' (--kv-cache-dtype {0})"
-PP_MESSAGE = "vllm-evict does not support pipeline parallelism (--pipeline-parallel-size 2)"
 
 
 @pytest.mark.parametrize("cuda", [True, False])
@@ -46,21 +44,3 @@ def test_engine_start_refuses_fp8_with_the_flag_named(capfd):
     out, err = capfd.readouterr()
     assert MESSAGE.format("fp8") + " on this platform" in out + err
     assert "start with --kv-cache-dtype auto" in out + err
-
-
-def test_pipeline_parallel_is_refused():
-    check_pipeline_parallel(1)
-    with pytest.raises(ValueError, match=PP_MESSAGE.replace("(", r"\(").replace(")", r"\)")):
-        check_pipeline_parallel(2)
-
-
-@pytest.mark.engine
-def test_engine_start_refuses_pipeline_parallel(capfd):
-    from tests.engine.inprocess import two_cpu_workers
-    from vllm_evict.testing.engines import make_llm
-    from vllm_evict.testing.tiny_models import ensure_tiny_model
-
-    with two_cpu_workers(), pytest.raises(Exception):
-        make_llm(ensure_tiny_model("llama"), pipeline_parallel_size=2, distributed_executor_backend="mp")
-    out, err = capfd.readouterr()
-    assert PP_MESSAGE in out + err

@@ -48,15 +48,6 @@ def check_cache_dtype(cache_dtype: str, cuda: bool) -> None:
                      "to serve it without eviction")
 
 
-def check_pipeline_parallel(size: int) -> None:
-    """Refuse pipeline parallelism at engine start: compaction covers all layers of a request
-    in one worker, and the scheduler's block accounting assumes it; neither is written or tested for
-    layers split across stages."""
-    if size > 1:
-        raise ValueError(f"vllm-evict does not support pipeline parallelism (--pipeline-parallel-size {size}): "
-                         "use --tensor-parallel-size, or disable the plugin (VLLM_PLUGINS=none)")
-
-
 def per_head_graph(attn_metadata):  # -> step.PerHeadDecodeBatch | None
     """The per-head FULL decode graph this layer's attention runs in: None outside one, and for the layers
     eviction leaves alone (a hybrid model's sliding-window layers: their builder holds no graph tables)."""
@@ -112,9 +103,7 @@ class EvictionAttentionMixin:
         # before the stock impl's own checks: the user reads why eviction refuses the setting
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
         check_cache_dtype(bound.arguments["kv_cache_dtype"], current_platform.is_cuda())
-        config = get_current_vllm_config()
-        check_pipeline_parallel(config.parallel_config.pipeline_parallel_size)
-        self.model_dtype = config.model_config.dtype  # what compaction scores a quantized cache's K/V in
+        self.model_dtype = get_current_vllm_config().model_config.dtype  # what compaction scores a quantized cache's K/V in
         super().__init__(*args, **kwargs)
 
     def _paged_cache(self, layer, kv_cache):  # -> object with gather_prefix / write_pages / key_pages

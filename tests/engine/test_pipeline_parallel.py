@@ -1,0 +1,82 @@
+"""Pipeline parallelism (`pipeline_parallel_size=2`, two CPU worker processes of the tiny Llama's 3 layers):
+each stage compacts its own layers at the points the scheduler plans for both. One-shot, block-wise and
+decode-budget requests, uniform and Ada-KV, in one batch with plain requests, follow the independent torch
+reference (the model and eviction of every layer, in one process), and every block returns to the pool,
+after aborts at random steps too. One engine for the module."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.engine.inprocess import inprocess_llm, two_cpu_workers
+from tests.engine.test_eviction import check_against_reference, params, random_prompt, scheduler_of
+
+pytestmark = pytest.mark.engine
+
+PAGE = 16
+MAX_TOKENS = 100  # decode points at 32, 64 and 96 generated tokens (decode_every 32)
+CASES = [
+    {"policy": "snapkv", "budget": 0.3},
+    {"policy": "dropkv", "budget": 0.25, "allocation": "adakv"},
+    {"policy": "keydiff", "budget": 0.3, "chunked": True, "chunk_size": 64},
+    {"policy": "dropkv", "decode_budget": 48, "decode_every": 32},
+    {"policy": "snapkv", "decode_budget": 48, "decode_every": 32, "allocation": "adakv"},
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    with two_cpu_workers():
+        with inprocess_llm(tiny_llama, block_size=PAGE, max_model_len=1280, max_num_batched_tokens=256,
+                           pipeline_parallel_size=2, distributed_executor_backend="mp") as llm:
+            yield llm
+
+
+def idle(engine) -> bool:
+    scheduler = scheduler_of(engine)
+    pool = scheduler.kv_cache_manager.block_pool
+    return pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 and not scheduler.evictions
+
+
+def test_every_mode_follows_the_reference_across_stages(engine, reference):
+    from vllm_evict.engine.request_config import parse_request
+
+    prompt = random_prompt(3, 300)
+    requests = [None, *CASES, None]
+    outputs = engine.generate([{"prompt_token_ids": prompt}] * len(requests), [params(c, MAX_TOKENS) for c in requests])
+    full = reference.generate(prompt, MAX_TOKENS)
+    check_against_reference(outputs[0], full, "no eviction")
+    check_against_reference(outputs[-1], full, "no eviction (last)")
+    changed = 0
+    for case, out in zip(CASES, outputs[1:-1]):
+        expected = reference.replay(prompt, MAX_TOKENS, parse_request({"vllm_evict": case}), page_size=PAGE)
+        check_against_reference(out, expected, str(case))
+        report = out.kv_transfer_params["vllm_evict"]
+        key = "decode_blocks_freed" if "decode_budget" in case else "blocks_freed"
+        assert report[key] > 0, (case, report)
+        changed += expected.token_ids != full.token_ids
+    assert changed >= len(CASES) // 2
+    assert idle(engine)
+
+
+def test_aborts_at_random_steps_return_every_block(engine):
+    from vllm import SamplingParams
+
+    rng = random.Random(4)
+    llm_engine = engine.llm_engine
+    ids = []
+    for i, case in enumerate(CASES * 2):
+        req_id = f"abort-{i}"
+        llm_engine.add_request(req_id, {"prompt_token_ids": random_prompt(50 + i, rng.randrange(150, 400))},
+                               SamplingParams(temperature=0, max_tokens=48, ignore_eos=True,
+                                              extra_args={"vllm_evict": case}))
+        ids.append((req_id, rng.randrange(1, 30)))
+    step = 0
+    while llm_engine.has_unfinished_requests():
+        llm_engine.abort_request([req_id for req_id, at in ids if at == step])
+        llm_engine.step()
+        step += 1
+        assert step < 500
+    assert idle(engine)
