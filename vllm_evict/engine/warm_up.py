@@ -25,6 +25,9 @@ def warm_up_scoring(runner) -> None:
 
     model, parallel, cache_dtype = runner.model_config, runner.parallel_config, runner.cache_config.cache_dtype
     head_dim = model.get_head_size()
+    # A kernel's module and local memory come from the driver, which cannot use the blocks PyTorch's caching
+    # allocator keeps from vLLM's own warm-up passes: give them back before loading the scoring kernels.
+    torch.cuda.empty_cache()
     one = torch.ones((), dtype=torch.float32, device=runner.device)  # the layers' default k/v/q scales
     start = time.perf_counter()
     warm_up(lambda kv_cache: CudaPagedCache(kv_cache, head_dim, cache_dtype, one, one, one, model.dtype),
