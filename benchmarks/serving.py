@@ -849,10 +849,14 @@ PLANS = {
     "hybrid-gpt-oss-20b": _hybrid_plan(36, "16384:512:64", 420),
     "hybrid-gemma-3-12b": _hybrid_plan(24, "16384:512:32", 420),
     # Qwen3-Next without prefix caching, vLLM's default on linear-attention hybrids (an evicting request takes
-    # no prefix hits there: every request of the capacity run computes the shared prefix); end to end first,
-    # then capacity for as long as the budget lasts
-    "hybrid-qwen3-next": [(engine, "e2e,capacity", extra + ["--no-prefix-caching"], 480)
-                          for engine, _, extra, _ in _hybrid_plan(72, "16384:512:64", 480)],
+    # no prefix hits there: every request of the capacity run computes its whole prompt); end to end first,
+    # then capacity for as long as the budget lasts. vllm-evict's capacity (some 10M prompt tokens to compute)
+    # is a plan of its own, to run on a GPU of its own beside this one
+    "hybrid-qwen3-next": [(engine, suite, extra + ["--no-prefix-caching"], 480)
+                          for (engine, _, extra, _), suite in zip(_hybrid_plan(72, "16384:512:64", 480),
+                                                                  ("e2e,capacity", "e2e"))],
+    "hybrid-capacity-qwen3-next": [("evict", "capacity", HYBRID_32K + ["--capacity-configs", "0.1:uniform",
+                                                                       "--no-prefix-caching"], 540)],
     "hybrid-e2e-gpt-oss-20b": _hybrid_e2e_plan("16384:512:64", 240),
     # the same capacity with distinct prompts: a sliding-window group's blocks are then each request's own
     "hybrid-capacity-distinct-gpt-oss-20b": [("vanilla", "capacity", HYBRID_32K + ["--num-requests", "36"], 300),
@@ -869,7 +873,8 @@ PLAN_MODELS = {"hybrid-gpt-oss-20b": "gpt-oss-20b", "hybrid-gemma-3-12b": "gemma
                "no-eviction-gpt-oss-20b": "gpt-oss-20b", "no-eviction-gemma-3-12b": "gemma-3-12b",
                "hybrid-capacity-distinct-gpt-oss-20b": "gpt-oss-20b",
                "hybrid-capacity-distinct-gemma-3-12b": "gemma-3-12b",
-               "hybrid-qwen3-next": "qwen3-next-80b-a3b-64e", "hybrid-e2e-gpt-oss-20b": "gpt-oss-20b"}
+               "hybrid-qwen3-next": "qwen3-next-80b-a3b-64e", "hybrid-capacity-qwen3-next": "qwen3-next-80b-a3b-64e",
+               "hybrid-e2e-gpt-oss-20b": "gpt-oss-20b"}
 
 
 def vanilla_path() -> str:

@@ -498,6 +498,25 @@ def _check_inputs(policy, q, k, v, gqa, lengths):
             raise ValueError(f"lengths on {lengths.device} but keys on {k.device}")
 
 
+# Kernel A keeps its [M_P, D_P] fp32 accumulator and kernel B q and a in registers: past M_P * D_P = 128 * 128
+# they spill to local memory, which the driver reserves for every thread the GPU can hold (at 8 query heads
+# of 256 per KV head and w = 32, kernel A's 22 KB a thread would take 6 GB of an H100).
+MAX_ROWS_X_HEAD_DIM = 128 * 128
+
+
+def query_head_chunks(g: int, w: int, D: int) -> int:
+    """How many chunks the g query heads of a KV head are scored in (a divisor of g), so that a chunk's
+    window rows times the head dim fit MAX_ROWS_X_HEAD_DIM; 1 when the group fits, g when not even one
+    head does (then the kernels spill)."""
+    D_P = max(16, _next_pow2(D))
+    for chunks in (c for c in range(1, g + 1) if g % c == 0):
+        G_P = _next_pow2(g // chunks)
+        W_P = max(_next_pow2(w), 16 // G_P) if G_P < 16 else _next_pow2(w)
+        if G_P * W_P * D_P <= MAX_ROWS_X_HEAD_DIM:
+            return chunks
+    return g
+
+
 def _plan(policy, q_window, keys, values, scale, gqa, config, lengths):
     """Validate and compute the launch plan (shared by the stages)."""
     if not _HAS_TRITON:
@@ -522,7 +541,7 @@ def _plan(policy, q_window, keys, values, scale, gqa, config, lengths):
     if precision == "auto":
         # fp16's narrow exponent cannot hold a three-way split of small values exactly; and kernel B keeps
         # q and the three parts of a in shared memory, which exceeds an H100's 227 KB past M_P * D_P = 128 * 128
-        precision = "bf16x3" if keys.dtype == torch.bfloat16 and M_P * D_P <= 128 * 128 else "ieee"
+        precision = "bf16x3" if keys.dtype == torch.bfloat16 and M_P * D_P <= MAX_ROWS_X_HEAD_DIM else "ieee"
     prec = 0 if (precision == "ieee" or keys.dtype == torch.float32) else 1
     P = dict(
         cfg=cfg, precision=precision, prec=prec, is_f32=keys.dtype == torch.float32,
@@ -679,7 +698,21 @@ def window_scores_batched(
         out = torch.empty((B, H_kv, n), device=keys.device, dtype=torch.float32)
     elif tuple(out.shape) != (B, H_kv, n) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError("out must be a contiguous float32 [B, H_kv, n] tensor")
-    return _score(plan, q_window, keys, values, *_forward(plan, q_window, keys, values), out)
+    chunks = query_head_chunks(plan["g"], plan["w"], plan["D"]) if plan["H_q"] == plan["g"] * H_kv else 1
+    if chunks == 1:
+        return _score(plan, q_window, keys, values, *_forward(plan, q_window, keys, values), out)
+    # each chunk of g / chunks query heads per KV head is a GQA group of its own; a head's raw score is
+    # the mean (or max) over the group's heads, so the chunks' scores combine by their mean (or max)
+    g, size = plan["g"], plan["g"] // chunks
+    grouped = q_window.reshape(B, plan["w"], H_kv, g, plan["D"])
+    part = torch.empty_like(out)
+    for chunk in range(chunks):
+        q_chunk = grouped[:, :, :, chunk * size:(chunk + 1) * size].reshape(B, plan["w"], H_kv * size, plan["D"])
+        window_scores_batched(policy, q_chunk, keys, values, scale=plan["scale"], gqa=gqa, config=config,
+                              out=out if chunk == 0 else part, lengths=lengths)
+        if chunk:
+            torch.maximum(out, part, out=out) if gqa == "max" else out.add_(part)
+    return out if gqa == "max" else out.div_(chunks)
 
 
 def window_scores(

@@ -1,9 +1,10 @@
 """The engine-start warm-up runs the engine's own compaction path (worker.compact_one) for every policy and
 allocation: every layer of every state is compacted to P pages per head on average (DESIGN.md §3), on the CPU
-backend's cache adapter (the CUDA one runs in the GPU engine tests)."""
+backend's cache adapter and, on a GPU, on the CUDA one at the head shapes and page sizes of the models served."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vllm_evict.policies import ALLOCATIONS, POLICIES
@@ -19,6 +20,30 @@ def test_warm_up_compacts_every_policy_and_allocation():
     isa = _get_attn_isa(torch.float32, page, 32)
     states = warm_up(lambda kv: CpuPagedCache(kv, isa, 1.0, 1.0, "auto"), torch.device("cpu"), 8, num_kv, 32,
                      torch.float32, page)
+    check_compacted(states, num_kv, page)
+
+
+# (query heads, KV heads, head_dim, page): Llama-3.1-8B; GPT-OSS-20B; Gemma-3-12B; Qwen3-Next-80B-A3B, whose
+# attention page vLLM sizes to one layer's Gated DeltaNet state
+SERVED_SHAPES = {"llama-3.1-8b": (32, 8, 128, 16), "gpt-oss-20b": (64, 8, 64, 16), "gemma-3-12b": (16, 8, 256, 16),
+                 "qwen3-next": (16, 2, 256, 544)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", SERVED_SHAPES)
+def test_warm_up_on_cuda_at_served_head_shapes(model):
+    from vllm_evict.engine.cuda_backend import CudaPagedCache, query_dtype
+    from vllm_evict.engine.warm_up import warm_up
+
+    num_q, num_kv, head_dim, page = SERVED_SHAPES[model]
+    one = torch.ones((), dtype=torch.float32, device="cuda")
+    states = warm_up(lambda kv: CudaPagedCache(kv, head_dim, "auto", one, one, one, torch.bfloat16),
+                     torch.device("cuda"), num_q, num_kv, head_dim, torch.bfloat16, page,
+                     query_dtype("auto", torch.bfloat16))
+    check_compacted(states, num_kv, page)
+
+
+def check_compacted(states, num_kv: int, page: int) -> None:
     assert len(states) == len(POLICIES) * len(ALLOCATIONS) and {s.spec.config.policy for s in states} == set(POLICIES)
     assert any(s.spec.config.allocation == "adakv" for s in states)
     for state in states:

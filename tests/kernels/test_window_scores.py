@@ -222,10 +222,12 @@ _INTERP_SCRIPT = textwrap.dedent(
     # (n, w, H_q, H_kv, D, held counts); the interpreter's bf16 tl.dot is broken, so fp16 and fp32 are used
     # (60, 4, 12, 6, 16): many KV heads, as when the engine folds layers into the head axis; the last two are
     # ragged held sets (the smallest head holds more than w keys: with n_i = w window row 0 sees key 0 alone,
-    # p = 1, and dropkv's weight 1/eps^2 amplifies rounding noise past any tolerance, reference included)
+    # p = 1, and dropkv's weight 1/eps^2 amplifies rounding noise past any tolerance, reference included);
+    # (45, 32, 16, 2, 128): 8 query heads a KV head, scored in two chunks of 4 (query_head_chunks)
     for (n, w, Hq, Hkv, D, held) in [(100, 8, 8, 2, 32, None), (77, 3, 6, 2, 16, None), (130, 32, 4, 1, 16, None),
                                      (50, 1, 4, 1, 16, None), (60, 4, 12, 6, 16, None),
-                                     (70, 4, 6, 3, 16, [70, 9, 37]), (40, 1, 4, 2, 16, [2, 40])]:
+                                     (70, 4, 6, 3, 16, [70, 9, 37]), (40, 1, 4, 2, 16, [2, 40]),
+                                     (45, 32, 16, 2, 128, [45, 36])]:
         lengths = None if held is None else torch.tensor(held)
         for dt in ((torch.float16, torch.float32) if n == 77 else (torch.float16,)):
             q = torch.randn(w, Hq, D, generator=g).to(dt)
@@ -248,6 +250,16 @@ _INTERP_SCRIPT = textwrap.dedent(
     sys.exit(1 if bad else 0)
     """
 )
+
+
+@pytest.mark.parametrize("g,w,D,chunks", [(4, 32, 128, 1), (8, 32, 128, 2), (2, 32, 256, 1), (8, 32, 256, 4),
+                                           (8, 8, 256, 1), (8, 8, 64, 1), (6, 32, 256, 3), (4, 256, 128, 4)])
+def test_query_heads_are_scored_in_chunks_that_fit_registers(g, w, D, chunks):
+    from vllm_evict.kernels.window_scores import query_head_chunks
+
+    # Llama-3.1-8B, Gemma-3-12B, Qwen3-Next (8 heads of 256 a KV head) at w = 32; DropKV's w = 8; GPT-OSS;
+    # a group of 6; a window too long for one head (then the kernels spill, one head a chunk)
+    assert query_head_chunks(g, w, D) == chunks
 
 
 def test_kernels_in_triton_interpreter():
@@ -375,6 +387,8 @@ def test_kernel_window_overrides(policy, w):
 def test_kernel_other_gqa_groups(policy):
     _check_policy(policy, 3000, 128, "mean", H_q=28, H_kv=4)  # g = 7 (padded to 8)
     _check_policy(policy, 3000, 128, "max", H_q=8, H_kv=8)  # g = 1
+    for gqa in ("mean", "max"):  # Qwen3-Next: 8 heads of 256 a KV head, scored in chunks (query_head_chunks)
+        _check_policy(policy, 3000, 256, gqa, H_q=16, H_kv=2)
 
 
 @pytest.mark.gpu

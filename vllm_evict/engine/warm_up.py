@@ -28,13 +28,16 @@ def warm_up_scoring(runner) -> None:
     # A kernel's module and local memory come from the driver, which cannot use the blocks PyTorch's caching
     # allocator keeps from vLLM's own warm-up passes: give them back before loading the scoring kernels.
     torch.cuda.empty_cache()
+    logger.info("vllm-evict: loading the scoring kernels (%.2f GiB device memory free)",
+                torch.cuda.mem_get_info(runner.device)[0] / 2**30)
     one = torch.ones((), dtype=torch.float32, device=runner.device)  # the layers' default k/v/q scales
     start = time.perf_counter()
     warm_up(lambda kv_cache: CudaPagedCache(kv_cache, head_dim, cache_dtype, one, one, one, model.dtype),
             runner.device, model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel), head_dim,
             model.dtype, runner.cache_config.block_size, query_dtype(cache_dtype, model.dtype),
             is_quantized_kv_cache(cache_dtype))
-    logger.info("vllm-evict: scoring kernels ready in %.1f s", time.perf_counter() - start)
+    logger.info("vllm-evict: scoring kernels ready in %.1f s (%.2f GiB device memory free)",
+                time.perf_counter() - start, torch.cuda.mem_get_info(runner.device)[0] / 2**30)
 
 
 def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: int, head_dim: int,
