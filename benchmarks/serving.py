@@ -90,7 +90,7 @@ def make_engine(args):
     # tokenizer's vocabulary, and detokenizing them cost O(prompt length) per request per step.
     kwargs.update(block_size=16, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.prefix_caching, seed=0,
-                  skip_tokenizer_init=True)
+                  skip_tokenizer_init=True, enforce_eager=args.enforce_eager)
     if args.tensor_parallel_size > 1:  # worker processes; the engine core stays here (its scheduler is read)
         kwargs.update(tensor_parallel_size=args.tensor_parallel_size, distributed_executor_backend="mp")
         if not on_gpu:  # vLLM binds each CPU worker to a NUMA node of its own unless given cores
@@ -849,14 +849,14 @@ PLANS = {
     "hybrid-gpt-oss-20b": _hybrid_plan(36, "16384:512:64", 420),
     "hybrid-gemma-3-12b": _hybrid_plan(24, "16384:512:32", 420),
     # Qwen3-Next without prefix caching, vLLM's default on linear-attention hybrids (an evicting request takes
-    # no prefix hits there: every request of the capacity run computes its whole prompt); end to end first,
-    # then capacity for as long as the budget lasts. vllm-evict's capacity (some 10M prompt tokens to compute)
-    # is a plan of its own, to run on a GPU of its own beside this one
-    "hybrid-qwen3-next": [(engine, suite, extra + ["--no-prefix-caching"], 480)
-                          for (engine, _, extra, _), suite in zip(_hybrid_plan(72, "16384:512:64", 480),
-                                                                  ("e2e,capacity", "e2e"))],
-    "hybrid-capacity-qwen3-next": [("evict", "capacity", HYBRID_32K + ["--capacity-configs", "0.1:uniform",
-                                                                       "--no-prefix-caching"], 540)],
+    # no prefix hits there: every request computes its whole prompt). End to end and capacity are two plans,
+    # each engine on a GPU of its own; capacity (some 10M prompt tokens for vllm-evict) is a count, measured
+    # eager: without compilation and graph capture the engine starts in time to compute them
+    "hybrid-qwen3-next": [(engine, "e2e", HYBRID_32K + ["--shapes", "16384:512:64", "--no-prefix-caching"], 420)
+                          for engine in ("vanilla", "evict")],
+    "hybrid-capacity-qwen3-next": [
+        (engine, "capacity", HYBRID_32K + extra + ["--no-prefix-caching", "--enforce-eager"], 480)
+        for engine, extra in (("vanilla", ["--num-requests", "72"]), ("evict", ["--capacity-configs", "0.1:uniform"]))],
     "hybrid-e2e-gpt-oss-20b": _hybrid_e2e_plan("16384:512:64", 240),
     # the same capacity with distinct prompts: a sliding-window group's blocks are then each request's own
     "hybrid-capacity-distinct-gpt-oss-20b": [("vanilla", "capacity", HYBRID_32K + ["--num-requests", "36"], 300),
@@ -1009,6 +1009,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--shared-prefix", action="store_true")
     o.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="vLLM's --no-enable-prefix-caching (its default on linear-attention hybrids)")
+    o.add_argument("--enforce-eager", action="store_true",
+                   help="vLLM's --enforce-eager: no compilation or CUDA graphs, for counts (capacity) not times")
     o.add_argument("--stall-steps", type=int, default=20)
     o.add_argument("--capacity-configs", nargs="+", type=str, default=["0.1:uniform"])
     o.add_argument("--ttft-cases", nargs="*", default=["8192x1", "32768x1", "65536x1", "8192x8", "32768x8"],
