@@ -89,10 +89,15 @@ def check_one_shot_mixed_batch(engine, reference, exact: bool, seed: int = 0) ->
     prefill = reference.prefill(prompt)
     full = reference.generate(prompt, MAX_TOKENS, prefill=prefill)
     plain = list(outputs[0].outputs[0].token_ids)
-    check(outputs[0], lambda forced: reference.generate(prompt, MAX_TOKENS, prefill=prefill, forced=forced), exact,
-          "no eviction")
-    for out in outputs[1], outputs[-1]:
-        assert list(out.outputs[0].token_ids) == plain
+    def no_eviction(forced):
+        return reference.generate(prompt, MAX_TOKENS, prefill=prefill, forced=forced)
+
+    check(outputs[0], no_eviction, exact, "no eviction")
+    for out, label in (outputs[1], "100% budget"), (outputs[-1], "no eviction, last in the batch"):
+        if exact:
+            assert list(out.outputs[0].token_ids) == plain, label
+        else:  # bf16 Gated DeltaNet state parts at near-ties where the prompt is split into other chunks
+            check(out, no_eviction, exact, label)
     assert (outputs[1].kv_transfer_params or {}).get("vllm_evict", {}).get("evicted", False) is False
     from vllm_evict.policies import EvictionConfig
 
