@@ -447,14 +447,11 @@ _FALLBACK: dict = {}
 
 
 def _launch_with_fallback(key, launch, params: dict, tile_key: str, stage_key: str):
-    """Call launch(params); on OutOfResources retry with 1 stage, then halved tiles (>= 16). A launch that
-    finds no device memory (a kernel's module and local memory come from the driver, which cannot use what
-    PyTorch's caching allocator holds) is retried once after PyTorch gives its cached blocks back."""
+    """Call launch(params); on OutOfResources retry with 1 stage, then halved tiles (>= 16)."""
     params = dict(_FALLBACK.get(key, params))
-    freed = False
     while True:
         try:
-            out = launch(params)
+            return launch(params)
         except triton.runtime.errors.OutOfResources:
             if params[stage_key] > 1:
                 params[stage_key] = 1
@@ -463,14 +460,6 @@ def _launch_with_fallback(key, launch, params: dict, tile_key: str, stage_key: s
             else:
                 raise
             _FALLBACK[key] = dict(params)
-            continue
-        except RuntimeError as exc:
-            if freed or "out of memory" not in str(exc):
-                raise
-            torch.cuda.empty_cache()
-            freed = True
-            continue
-        return out
 
 
 def _check_inputs(policy, q, k, v, gqa, lengths):

@@ -180,32 +180,6 @@ def test_module_imports_without_gpu():
     assert set(ws.POLICIES) == set(WINDOW_POLICIES)
 
 
-def test_a_launch_out_of_device_memory_is_retried_once():
-    """The launch retry: Triton reports a kernel that finds no device memory as a RuntimeError; the launch
-    runs again once (after PyTorch's cached blocks went back to the driver), and other errors pass."""
-    ws = pytest.importorskip("vllm_evict.kernels.window_scores")
-    if not ws.has_triton():
-        pytest.skip("Triton is not installed")
-    calls = []
-
-    def launch(failures, message="Triton Error [CUDA]: out of memory"):
-        def run(params):
-            calls.append(dict(params))
-            if len(calls) <= failures:
-                raise RuntimeError(message)
-            return "launched"
-        return run
-
-    params = {"block_n_a": 64, "num_stages_a": 3}
-    assert ws._launch_with_fallback(("retry-test",), launch(1), params, "block_n_a", "num_stages_a") == "launched"
-    assert calls == [params, params]  # the same launch parameters: memory, not the tiles, was short
-    for failures, message in ((2, "Triton Error [CUDA]: out of memory"), (1, "Triton Error [CUDA]: invalid argument")):
-        calls.clear()
-        with pytest.raises(RuntimeError, match=message.split(": ")[1]):
-            ws._launch_with_fallback(("retry-test",), launch(failures, message), params, "block_n_a", "num_stages_a")
-        assert len(calls) == min(failures, 2)
-
-
 # ---------------------------------------------------------------------------------------------
 # Triton interpreter on CPU (runs in CI when Triton is installed): kernel logic incl. split-K
 # ---------------------------------------------------------------------------------------------

@@ -25,9 +25,7 @@ def warm_up_scoring(runner) -> None:
 
     model, parallel, cache_dtype = runner.model_config, runner.parallel_config, runner.cache_config.cache_dtype
     head_dim = model.get_head_size()
-    # A kernel's module and local memory come from the driver, which cannot use the blocks PyTorch's caching
-    # allocator keeps from vLLM's own warm-up passes: give them back before loading the scoring kernels.
-    torch.cuda.empty_cache()
+    # the kernels' modules and local memory come from the device's free memory, outside vLLM's profile
     logger.info("vllm-evict: loading the scoring kernels (%.2f GiB device memory free)",
                 torch.cuda.mem_get_info(runner.device)[0] / 2**30)
     one = torch.ones((), dtype=torch.float32, device=runner.device)  # the layers' default k/v/q scales
