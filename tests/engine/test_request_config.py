@@ -40,14 +40,30 @@ def test_bad_parameters_raise_in_the_api_process(bad):
         resolve_request(bad)
 
 
-def test_adakv_evicting_again_is_refused_under_tensor_parallelism():
-    """A rank's heads may win more Ada-KV pages than its blocks hold at an in-place point: refused under TP
-    (the request fails with the reason), accepted at TP=1."""
+def test_adakv_in_place_points_write_what_one_rank_can_win_under_tensor_parallelism():
+    """Ada-KV evicting again under TP: an in-place point writes over min(spread * its kept pages, its held
+    blocks) of the request's first blocks (a rank's heads may win up to spread times their share), and its
+    layout is trimmed to what the fullest rank fills unless another prompt point follows (block-wise);
+    uniform allocation and TP=1 write their kept pages. The peak counts the written blocks."""
     from vllm_evict.engine.request_config import parse_request
     from vllm_evict.engine.scheduler import plan_eviction
 
-    for fields in ({"budget": 0.2, "chunked": True}, {"decode_budget": 64}):
+    def schedule(fields, head_groups):
         spec = parse_request({"vllm_evict": {"policy": "snapkv", "allocation": "adakv", **fields}})
-        assert plan_eviction(spec, 600, 16, head_groups=1) is not None
-        with pytest.raises(ValueError, match="tensor parallelism"):
-            plan_eviction(spec, 600, 16, head_groups=2)
+        return plan_eviction(spec, 600, 16, head_groups=head_groups, max_tokens=400)
+
+    decode = schedule({"decode_budget": 64, "decode_every": 32}, 2)  # held at its points: 632, then 64 + 32
+    assert decode.spread == 2
+    assert [decode.schedule.written_blocks(c, 2) for c in range(3)] == [(8, True), (6, True), (6, True)]
+    assert [decode.schedule.written_blocks(c, 1) for c in range(2)] == [(4, False), (4, False)]
+    # block-wise at 192 tokens in 64-token chunks: points 256, 320, .., 576 (each 12 pages held + 64), then E
+    chunked = schedule({"budget": 192, "chunked": True, "chunk_size": 64}, 4)
+    points = [chunked.schedule.point(c) for c in range(chunked.schedule.prompt_points)]
+    assert [p.at for p in points] == [256, 320, 384, 448, 512, 576, 600]
+    written = [chunked.schedule.written_blocks(c, 4) for c in range(len(points))]
+    assert written[:-1] == [(16, False)] + [(16, False)] * 5 and written[-1] == (14, True)
+    at_tp1 = schedule({"budget": 192, "chunked": True, "chunk_size": 64}, 1)
+    assert at_tp1.spread == 1 and at_tp1.peak < chunked.peak
+    uniform = plan_eviction(parse_request({"vllm_evict": {"policy": "snapkv", "decode_budget": 64}}), 600, 16,
+                            head_groups=2)
+    assert uniform.spread == 1 and uniform.schedule.written_blocks(0, uniform.spread) == (4, False)

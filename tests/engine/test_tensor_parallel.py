@@ -143,6 +143,57 @@ def test_adakv_keeps_only_the_fresh_blocks_its_fullest_rank_fills(engine, refere
     assert pool.get_num_free_blocks() == idle_free
 
 
+def test_adakv_evicts_again_at_tp2_as_the_reference(engine, reference):
+    """Ada-KV evicting again under TP (DESIGN.md §4.8): an in-place point writes over the request's first
+    min(2 P_d, its held blocks) blocks, as many as one rank's heads can win, and the scheduler frees those
+    its fullest rank left empty once the workers report them (CompactionSchedule.written_blocks). Block-wise
+    prompt points that another may follow in the next step keep them all. Tokens equal the TP=1 reference's
+    replay; at every step each request holds the blocks of its compacted length; blocks were trimmed at one
+    point at least; the pool returns to idle."""
+    from vllm_evict.engine.request_config import parse_request
+
+    llm_engine, scheduler = engine.llm_engine, scheduler_of(engine)
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    pool = scheduler.kv_cache_manager.block_pool
+    idle_free = pool.get_num_free_blocks()
+    prompt = random_prompt(15, 300)
+    cases = {"decode": {"policy": "snapkv", "decode_budget": 48, "decode_every": 32, "allocation": "adakv"},
+             "one-shot": {"policy": "dropkv", "budget": 0.3, "decode_budget": 64, "decode_every": 32,
+                          "allocation": "adakv"},
+             "block-wise": {"policy": "keydiff", "budget": 96, "chunked": True, "chunk_size": 64,
+                            "decode_budget": 64, "decode_every": 48, "allocation": "adakv"},
+             "uniform": {"policy": "tova", "budget": 0.3, "decode_budget": 48, "decode_every": 32}}
+    max_tokens = 100
+    kv_manager, trims = scheduler.kv_cache_manager, []
+
+    def recording_trim(request_id, ev, used):  # (blocks written, F') of every report
+        trims.append((ev.trimming, used))
+        type(kv_manager).trim(kv_manager, request_id, ev, used)
+
+    kv_manager.trim = recording_trim
+    try:
+        for req_id, case in cases.items():
+            llm_engine.add_request(req_id, {"prompt_token_ids": prompt}, params(case, max_tokens))
+        tokens, reports = {}, {}
+        while llm_engine.has_unfinished_requests():
+            for out in llm_engine.step():
+                if out.finished:
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
+                    reports[out.request_id] = out.kv_transfer_params["vllm_evict"]
+            for req_id, ev in scheduler.evictions.items():
+                if ev.compacted and not ev.swap_pending:
+                    physical = scheduler.requests[req_id].num_computed_tokens - ev.removed
+                    assert len(manager.req_to_blocks[req_id]) == -(-physical // PAGE), req_id
+    finally:
+        del kv_manager.trim
+    for req_id, case in cases.items():
+        expected = reference.replay(prompt, max_tokens, parse_request({"vllm_evict": case}), page_size=PAGE)
+        assert tokens[req_id] == expected.token_ids, case
+        assert reports[req_id]["decode_compactions"] >= 2, case
+    assert any(used < written for written, used in trims), trims
+    assert pool.get_num_free_blocks() == idle_free
+
+
 def check_fresh_blocks(reference, prompt, cases, reports):
     """Each report's blocks_after is F' of the reference's allocation (one KV head per rank: the most pages
     one head keeps in any layer; P under uniform allocation), and F' < F for one Ada-KV case at least."""

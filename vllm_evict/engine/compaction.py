@@ -139,7 +139,7 @@ def select_group(config: EvictionConfig, q_window: torch.Tensor | None, keys: to
         ordered_all = heads.all_heads(ordered.view(num_layers, local, n))
         page_counts = adakv_pages(ordered_all, pages, page_size=page_size, alpha=config.alpha,
                                   max_protected=config.protected_count(n), sorted_scores=ordered_all,
-                                  lengths=None if lengths is None else lengths.view(num_layers, local))
+                                  lengths=None if lengths is None else heads.all_heads(lengths.view(num_layers, local)))
         page_counts = heads.local(page_counts).reshape(-1)
     return keep_mask(scores, kept_counts(page_counts, n if lengths is None else lengths, page_size), order), page_counts
 
@@ -279,8 +279,9 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
         (_, prompt_blocks, fresh_blocks), = requests
         used = (used + cache.num_heads - 1) // cache.num_heads
         for i, (group, keep, counts) in enumerate(selected):
-            if i < len(selected) - 1:  # the last group's K/V are still gathered
-                keys, values = _gather(cache, group, [prompt_blocks], held)
+            if i < len(selected) - 1:  # the last group's K/V are still gathered (the others' layers unwritten)
+                keys, values = (_gather_heads(cache, group, requests, held)[:2] if per_head
+                                else _gather(cache, group, [prompt_blocks], held))
             _write_group(state, group, keys[:, 0], values[:, 0], keep, counts, fresh_blocks, used)
     return used
 

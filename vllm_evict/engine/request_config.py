@@ -186,14 +186,38 @@ class CompactionSchedule:
             kept = fixed + pages * bs
         return Point(index, at, held, kept, fixed, pages, window, sink, decode=True, in_place=True)
 
-    def peak_blocks(self, num_tokens: int, fresh_blocks: int) -> int:
+    def written_blocks(self, index: int, spread: int = 1) -> tuple[int, bool]:
+        """Blocks in-place point `index` writes its kept pages into, and whether its layout may end short of
+        them. spread: H_kv / H for Ada-KV under tensor parallelism (scheduler.kv_head_groups), else 1.
+
+        The kept pages fill ceil(kept / page) blocks, except under spread: one rank's heads may win up to
+        spread times their share, and no head more than it holds, so the point writes over
+        min(spread * ceil(kept / page), ceil(held / page)) blocks, which the request holds there. The layout
+        then spans the F' of them the fullest rank fills and the rest are freed once the workers report F'
+        (trimmed), unless another prompt point may follow in the next step, before that report arrives:
+        then it spans them all (compaction.py)."""
+        point, bs = self.point(index), self.page_size
+        kept = -(-point.kept // bs)
+        if spread == 1:
+            return kept, False
+        written = min(spread * kept, -(-point.held // bs))
+        following = self.point(index + 1)
+        return written, written > kept and (following is None or following.decode)
+
+    def peak_blocks(self, num_tokens: int, fresh_blocks: int, spread: int = 1) -> int:
         """The most blocks the request holds when it runs alone to `num_tokens` (prompt + max_tokens): at each
-        point before it compacts (a one-shot point also holds its F fresh blocks there), and at the end."""
+        point before it compacts (a one-shot point also holds its F fresh blocks there), and at the end. Under
+        spread (written_blocks) it counts the blocks a point writes, before any are trimmed."""
         bs, peak, at, physical = self.page_size, 0, 0, 0
         index = 0
         while (point := self.point(index)) is not None and point.at < num_tokens:
-            peak = max(peak, -(-point.held // bs) + (0 if point.in_place else fresh_blocks))
-            at, physical = point.at, point.kept if point.in_place else fresh_blocks * bs
+            peak = max(peak, -(-(physical + point.at - at) // bs) + (0 if point.in_place else fresh_blocks))
+            at = point.at
+            if point.in_place:
+                written = self.written_blocks(index, spread)[0]
+                physical = point.kept if written == -(-point.kept // bs) else written * bs
+            else:
+                physical = fresh_blocks * bs
             index += 1
         return max(peak, -(-(physical + num_tokens - at) // bs))
 

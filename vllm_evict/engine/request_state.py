@@ -22,6 +22,7 @@ class WorkerEviction(FollowsSchedule):
     schedule: CompactionSchedule         # the request's compaction points (the scheduler walks the same)
     page_size: int
     blocks: int = 0                     # F: fresh blocks a one-shot compaction writes (scheduler.plan_eviction)
+    spread: int = 1                     # H_kv / H for Ada-KV under TP (scheduler.SchedulerEviction.spread)
     q_window: torch.Tensor | None = None  # [L, w, Hq, D] by layer index (its WindowStore rows), set to compact
     window: int = 0                     # w (read once: the policy's default or the request's override)
     window_offset: int = -1             # its rows in the worker's WindowStore (-1: none)
@@ -44,9 +45,18 @@ class WorkerEviction(FollowsSchedule):
 
     @property
     def deferred(self) -> bool:
-        """Ada-KV under TP at a one-shot point: its layout spans F' <= F blocks, known once every layer is
-        selected (compaction.py)."""
-        return not self.point.in_place and self.blocks > self.pages
+        """Ada-KV under TP: its layout spans the F' blocks the fullest rank fills of those it writes, known
+        once every layer is selected (compaction.py)."""
+        if self.point.in_place:
+            return self.schedule.written_blocks(self.done, self.spread)[1]
+        return self.blocks > self.pages
+
+    @property
+    def written_blocks(self) -> int:
+        """Blocks its next compaction writes: F fresh ones, or in place the first ones (written_blocks)."""
+        if self.point.in_place:
+            return self.schedule.written_blocks(self.done, self.spread)[0]
+        return self.blocks
 
     @classmethod
     def for_prompt(cls, req_id: str, spec: RequestEviction, num_prompt_tokens: int, page_size: int,
@@ -82,9 +92,14 @@ class WorkerEviction(FollowsSchedule):
         """The compaction at the next point has run: positions shift by that point minus what it holds, and
         the window rows the next point shares with this one move to their new rows."""
         point = self.point
-        self.shift = point.at - (point.kept if point.in_place else self.blocks * self.page_size)
-        if point.in_place:  # its layout now spans the blocks its kept tokens fill
-            self.blocks = -(-point.kept // self.page_size)
+        if point.in_place:  # its layout now spans the blocks it wrote (F' of them once trimmed: set already)
+            written, trims = self.schedule.written_blocks(self.done, self.spread)
+            if not trims:
+                self.blocks = written
+            whole = written == -(-point.kept // self.page_size)
+            self.shift = point.at - (point.kept if whole else self.blocks * self.page_size)
+        else:
+            self.shift = point.at - self.blocks * self.page_size
         if point.evicts and not self.stock_layout:  # a new per-head layout (stacked by `kept_most`): new tables
             self.serial = next(_SERIALS)
         self.done += 1

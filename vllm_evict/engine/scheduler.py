@@ -7,7 +7,9 @@ Ada-KV under tensor parallelism is the exception: a rank's heads may win more th
 pages, so it is given F = min(P*H_kv/H, cdiv(E, block_size)) fresh blocks, the most any rank can need
 (compaction.py; H = the KV heads of one rank). The workers lay the kept pages out over the F' <= F
 blocks the fullest rank fills and report F' (TRIMMED_ATTR); the scheduler then frees the other F - F'
-(`free_unused_fresh`), which the workers never wrote and dropped from their block tables already.
+(`trim`), which the workers never wrote and dropped from their block tables already. Its in-place
+compactions (evicting again) write over the request's first blocks in the same way
+(CompactionSchedule.written_blocks).
 
 Life of an evicting request, as the scheduler sees it:
 1. Prefix-cache hits are capped at E - max(w, 1) so a chunk ends at E and the worker computes the
@@ -65,6 +67,7 @@ class SchedulerEviction(FollowsSchedule):
     schedule: CompactionSchedule  # the request's compaction points (shared with the workers)
     blocks: int            # F: fresh blocks a one-shot compaction writes (P, or more for Ada-KV under TP)
     window: int            # w: window queries the worker must compute itself
+    spread: int = 1        # H_kv / H for Ada-KV under TP (a rank's heads may win more than their share), else 1
     peak: int = 0          # blocks it holds at its peak, alone (admission, never-fit check)
     other_blocks: int = 0  # blocks the other KV cache groups of a hybrid model hold for its whole sequence
     done: int = 0          # compaction points already scheduled
@@ -73,6 +76,7 @@ class SchedulerEviction(FollowsSchedule):
     blocks_before: int = 0  # the most blocks held at a prompt compaction
     held_after_prompt: int = 0  # blocks held after the last prompt compaction
     unused: int | None = None  # of the F, blocks the layout left empty and were freed (None: not yet known)
+    trimming: int | None = None  # blocks the last compaction wrote whose F' the workers have yet to report
     decode_compactions: int = 0  # decode points that evicted
     decode_evicted: int = 0      # tokens per head evicted at them
     decode_blocks_freed: int = 0
@@ -106,7 +110,7 @@ class SchedulerEviction(FollowsSchedule):
     def reset(self) -> None:
         """Before any compaction, and again when preempted (everything was freed; the recompute evicts again
         at the same points)."""
-        self.done, self.swap_pending, self.removed = 0, False, 0
+        self.done, self.swap_pending, self.removed, self.trimming = 0, False, 0, None
         self.decode_compactions = self.decode_evicted = self.decode_blocks_freed = 0
         self.unused = None if self.pages is not None and self.blocks > self.pages else 0
 
@@ -220,20 +224,27 @@ class EvictionKVCacheManager(KVCacheManager):
             ev.swap_pending = True  # swapped in _update_after_schedule, once this step's block ids are sent
         return new_blocks
 
-    def free_unused_fresh(self, request_id: str, ev: SchedulerEviction, used: int) -> None:
-        """Free the fresh blocks F' .. F-1 of a compacted request (Ada-KV under TP), which its layout left
-        empty: it now holds F' blocks before its tail, and its compacted length drops by the same pages.
-        Tail blocks were allocated at the same block boundaries in either view, so nothing else moves."""
-        manager = self.evicted
+    def trim(self, request_id: str, ev: SchedulerEviction, used: int) -> None:
+        """Free the blocks F' .. F-1 that the last compaction of a request (Ada-KV under TP) wrote over but
+        its layout left empty: it now holds F' blocks before its tail, and its compacted length drops by the
+        same pages. Tail blocks were allocated at the same block boundaries in either view, so nothing else
+        moves."""
+        manager, written = self.evicted, ev.trimming
         blocks = manager.req_to_blocks[request_id]
-        unused = blocks[used: ev.blocks]
-        manager.req_to_blocks[request_id] = blocks[:used] + blocks[ev.blocks:]
+        unused = blocks[used: written]
+        manager.req_to_blocks[request_id] = blocks[:used] + blocks[written:]
         manager.num_cached_block[request_id] -= len(unused)
         self.block_pool.free_blocks(reversed(unused))
         ev.removed += len(unused) * self.page_size
         self.set_removed(request_id, ev)
-        ev.unused = len(unused)
-        ev.held_after_prompt -= len(unused)
+        ev.trimming = None
+        point = ev.schedule.point(ev.done - 1)
+        if point.decode:
+            ev.decode_blocks_freed += len(unused)
+        else:
+            ev.held_after_prompt -= len(unused)
+        if not point.in_place:
+            ev.unused = len(unused)
 
     def _blocks_short(self, request, ev: SchedulerEviction) -> bool:
         """Whether the free pool lacks what a request that compacts in place holds at its peak (block-wise:
@@ -251,13 +262,15 @@ class EvictionKVCacheManager(KVCacheManager):
         manager = self.evicted
         blocks = manager.req_to_blocks[request_id]
         point = ev.point
-        if point.in_place:
-            count = -(-point.kept // self.page_size)
+        if point.in_place:  # the first blocks it writes (request_config.CompactionSchedule.written_blocks)
+            count, trims = ev.schedule.written_blocks(ev.done, ev.spread)
             kept, freed = blocks[:count], blocks[count:]
-            ev.removed = point.at - point.kept
+            ev.removed = point.at - (point.kept if count == -(-point.kept // self.page_size) else count * self.page_size)
         else:
+            count, trims = ev.blocks, ev.blocks > ev.pages
             kept, freed = blocks[-ev.blocks:], blocks[: -ev.blocks]
             ev.removed = point.at - ev.blocks * self.page_size
+        ev.trimming = count if trims else None
         if point.decode:
             ev.decode_compactions += point.evicts
             ev.decode_evicted += point.held - point.kept
@@ -278,7 +291,7 @@ def peak_blocks(num_tokens: int, block_size: int, ev: SchedulerEviction | None) 
     whole sequence, or what its compaction schedule holds at its fullest (CompactionSchedule.peak_blocks)."""
     if ev is None:
         return -(-num_tokens // block_size)
-    return ev.schedule.peak_blocks(num_tokens, ev.blocks)
+    return ev.schedule.peak_blocks(num_tokens, ev.blocks, ev.spread)
 
 
 def kv_head_groups(vllm_config) -> int:
@@ -296,13 +309,11 @@ def plan_eviction(spec: RequestEviction, num_prompt_tokens: int, block_size: int
     if not schedule.evicts:
         return None
     blocks = pages = schedule.pages or 0
-    adakv_again = spec.config.allocation == "adakv" and (schedule.chunk or schedule.decode_every)
-    if adakv_again and head_groups > 1:  # a rank's heads may win more than its blocks hold (compaction.py)
-        raise ValueError("allocation 'adakv' with chunked=true or a decode_budget does not run under tensor "
-                         "parallelism in this version: use allocation 'uniform'")
-    if pages and spec.config.allocation == "adakv" and head_groups > 1:  # a rank's heads may win all P*H_kv pages
-        blocks = min(pages * head_groups, -(-schedule.evict_at // block_size))
-    ev = SchedulerEviction(request=spec, schedule=schedule, blocks=blocks, window=spec.config.window_size())
+    spread = head_groups if spec.config.allocation == "adakv" else 1
+    if pages and spread > 1:  # a rank's heads may win all P*H_kv pages (compaction.py)
+        blocks = min(pages * spread, -(-schedule.evict_at // block_size))
+    ev = SchedulerEviction(request=spec, schedule=schedule, blocks=blocks, window=spec.config.window_size(),
+                           spread=spread)
     ev.peak = peak_blocks(num_prompt_tokens + max_tokens, block_size, ev)
     return ev
 
@@ -389,7 +400,8 @@ class _EvictionSchedulerMixin:
                                                  request.num_prompt_tokens + request.max_tokens)
         params = request.sampling_params
         params.extra_args = {**(params.extra_args or {}),  # for the workers
-                             PLAN_KEY: [ev.evict_at, ev.pages or 0, ev.chunk, ev.blocks, request.num_prompt_tokens]}
+                             PLAN_KEY: [ev.evict_at, ev.pages or 0, ev.chunk, ev.blocks, request.num_prompt_tokens,
+                                       ev.spread]}
         self.evictions[request.request_id] = ev
         return ev
 
@@ -434,12 +446,12 @@ class _EvictionSchedulerMixin:
         trimmed = getattr(model_runner_output, TRIMMED_ATTR, None) or {}
         for req_id, used in trimmed.items():
             ev = self.evictions.get(req_id)
-            if ev is not None and ev.compacted and ev.unused is None:  # else preempted or finished since
-                self.kv_cache_manager.free_unused_fresh(req_id, ev, used)
+            if ev is not None and ev.compacted and ev.trimming is not None:  # else preempted or finished since
+                self.kv_cache_manager.trim(req_id, ev, used)
         # reported once its prompt compactions' latency and block count are known, again after each decode one
         ready = [req_id for req_id in {**latency, **trimmed} if (ev := self.evictions.get(req_id)) is not None
                  and ev.done >= ev.schedule.prompt_points and ev.done > ev.reported and ev.latency_ms is not None
-                 and ev.unused is not None]
+                 and ev.trimming is None]
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if ready:
             self._send_reports(ready, outputs)

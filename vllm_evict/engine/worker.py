@@ -73,10 +73,10 @@ class WorkerEvictionState:
         extra_args = (req.sampling_params.extra_args if req and req.sampling_params else None) or {}
         if PLAN_KEY not in extra_args:  # the scheduler found nothing to evict
             return None
-        evict_at, pages, chunk, blocks, num_prompt_tokens = extra_args[PLAN_KEY]
+        evict_at, pages, chunk, blocks, num_prompt_tokens, spread = extra_args[PLAN_KEY]
         spec = parse_request(extra_args)  # the scheduler read it, so it is readable
         page_size = runner.cache_config.block_size
-        state = WorkerEviction.for_prompt(req_id, spec, num_prompt_tokens, page_size, blocks=blocks)
+        state = WorkerEviction.for_prompt(req_id, spec, num_prompt_tokens, page_size, blocks=blocks, spread=spread)
         assert (state.schedule.evict_at, state.pages or 0, state.chunk) == (evict_at, pages, chunk), "plan mismatch"
         if state.window:
             state.window_offset = self.windows.allocate(state.window)
@@ -103,11 +103,11 @@ class WorkerEvictionState:
             # the blocks the scheduler kept: the first ones the kept tokens fill (compacted in place) or all
             # after the prompt's
             g = self.group.index
-            blocks, point = req.block_ids[g], state.point
-            blocks = blocks[: -(-point.kept // state.page_size)] if point.in_place else blocks[state.prompt_blocks:]
-            if state.used_blocks is not None:  # Ada-KV under TP: drop the fresh blocks its layout left empty
+            blocks, written = req.block_ids[g], state.written_blocks
+            blocks = blocks[:written] if state.point.in_place else blocks[state.prompt_blocks:]
+            if state.used_blocks is not None:  # Ada-KV under TP: drop the blocks its layout left empty
                 used = state.used_blocks.read()
-                blocks = blocks[:used] + blocks[state.blocks:]
+                blocks = blocks[:used] + blocks[written:]
                 self.trimmed[req_id] = used  # the scheduler frees the same blocks on this report
                 state.blocks, state.used_blocks = used, None
             req.block_ids = req.block_ids[:g] + (blocks,) + req.block_ids[g + 1:]
@@ -186,9 +186,9 @@ class WorkerEvictionState:
                     continue
                 compacting.append(row)
                 blocks = runner.requests[state.req_id].block_ids[self.group.index]
-                if current.in_place:  # from the blocks it holds into the first ones its kept tokens fill
-                    state.prompt_block_ids = list(blocks[: -(-current.held // state.page_size)])
-                    state.fresh_blocks = list(blocks[: -(-current.kept // state.page_size)])
+                if current.in_place:  # from the blocks it holds (at - shift tokens) into its first ones
+                    state.prompt_block_ids = list(blocks[: -(-(current.at - state.shift) // state.page_size)])
+                    state.fresh_blocks = list(blocks[: state.written_blocks])
                 else:
                     state.prompt_block_ids = list(blocks[: state.prompt_blocks])
                     state.fresh_blocks = list(blocks[state.prompt_blocks: state.prompt_blocks + state.blocks])
