@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 if TYPE_CHECKING:  # the real class is built lazily (importing vLLM takes seconds): see __getattr__ below
     from vllm.v1.metrics.loggers import StatLoggerBase as EvictStatLogger  # noqa: F401
@@ -155,7 +156,32 @@ def _collector(registry: CollectorRegistry, cls, name: str, doc: str, labelnames
         if not isinstance(existing, cls):
             raise ValueError(f"{name} is already registered as a {type(existing).__name__}, not a {cls.__name__}")
         return existing
+    if cls is EngineRates:
+        collector = cls(name, doc, **kwargs)
+        registry.register(collector)
+        return collector
     return cls(name, doc, labelnames, registry=registry, **kwargs)
+
+
+class EngineRates:
+    """A gauge family computed at each scrape: events per second over a sliding window, one series per
+    engine (label `engine`, as vLLM labels its own metrics)."""
+
+    def __init__(self, name: str, doc: str, window_s: float = 10.0):
+        self.name, self.doc, self.window_s = name, doc, window_s
+        self.rates: dict[int, SlidingWindowRate] = {}
+
+    def of(self, engine: int) -> SlidingWindowRate:
+        return self.rates.setdefault(engine, SlidingWindowRate(self.window_s))
+
+    def describe(self):
+        return [GaugeMetricFamily(self.name, self.doc, labels=["engine"])]
+
+    def collect(self):
+        family = GaugeMetricFamily(self.name, self.doc, labels=["engine"])
+        for engine, rate in sorted(self.rates.items()):
+            family.add_metric([str(engine)], rate.rate())
+        yield family
 
 
 @dataclass
@@ -166,27 +192,30 @@ class _EngineState:
     usage: float = 0.0
     running: int = 0
     waiting: int = 0
+    last_avg_blocks: float | None = None  # used blocks per running request when it last ran any
 
 
 class EvictMetrics:
     """All `vllm_evict:*` metric objects (in `registry`, prometheus_client's global one by default) plus the
-    state behind the derived gauges. Use the per-process singleton `get_metrics()`."""
+    state behind the derived gauges. Every series carries the label `engine`, the index of the engine
+    (data-parallel rank) it describes, as vLLM's own `vllm:*` series do: sum over it for the server's
+    totals. Use the per-process singleton `get_metrics()`."""
 
     def __init__(self, registry: CollectorRegistry = REGISTRY, throughput_window_s: float = 10.0):
         self.registry = r = registry
         p = PREFIX
 
-        def gauge(name, doc, **kw):
-            return _collector(r, Gauge, p + name, doc, **kw)
+        def gauge(name, doc):
+            return _collector(r, Gauge, p + name, doc, ["engine"])
 
-        def counter(name, doc, labels=()):
+        def counter(name, doc, labels=("engine",)):
             return _collector(r, Counter, p + name, doc, labels)
 
-        def histogram(name, doc, buckets, labels=()):
+        def histogram(name, doc, buckets, labels=("engine",)):
             return _collector(r, Histogram, p + name, doc, labels, buckets=buckets)
 
         # KV cache / batch
-        self.kv_blocks = gauge("kv_cache_blocks", "Usable KV-cache blocks (pages) of the engine(s).")
+        self.kv_blocks = gauge("kv_cache_blocks", "Usable KV-cache blocks (pages) of the engine.")
         self.kv_used_blocks = gauge("kv_cache_used_blocks", "KV-cache blocks held by requests.")
         self.kv_free_blocks = gauge("kv_cache_free_blocks", "KV-cache blocks free (incl. reusable prefix-cache "
                                     "blocks).")
@@ -201,39 +230,32 @@ class EvictMetrics:
         # tokens / latency
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.decode_tps = gauge("decode_throughput_tokens_per_second",
-                                f"Generated tokens per second over a sliding {throughput_window_s:g} s window.")
-        # the window lives on the gauge, so every EvictMetrics sharing the gauge feeds the exposed rate
-        self._decode_rate = getattr(self.decode_tps, "_vllm_evict_rate", None)
-        if self._decode_rate is None:
-            self._decode_rate = self.decode_tps._vllm_evict_rate = SlidingWindowRate(throughput_window_s)
-            self.decode_tps.set_function(self._decode_rate.rate)
+        self.decode_tps = _collector(r, EngineRates, p + "decode_throughput_tokens_per_second",
+                                     f"Generated tokens per second over a sliding {throughput_window_s:g} s "
+                                     "window.", window_s=throughput_window_s)
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
         self.tpot = histogram("time_per_output_token_seconds", "Mean time per output token after the first, per "
                               "finished request.", TPOT_BUCKETS)
         # eviction
-        self.evictions = counter("evictions", "Requests whose KV cache was evicted, by policy.", ["policy"])
+        by_policy = ("policy", "engine")
+        self.evictions = counter("evictions", "Requests whose KV cache was evicted, by policy.", by_policy)
         self.evict_prompt_tokens = counter("eviction_prompt_tokens", "Prompt tokens of evicted requests.",
-                                           ["policy"])
+                                           by_policy)
         self.evict_kept_tokens = counter("eviction_kept_tokens", "KV tokens kept after eviction (average over "
-                                         "layers and KV heads), per evicted request.", ["policy"])
-        self.blocks_freed = counter("eviction_blocks_freed", "KV-cache blocks freed by eviction.", ["policy"])
+                                         "layers and KV heads), per evicted request.", by_policy)
+        self.blocks_freed = counter("eviction_blocks_freed", "KV-cache blocks freed by eviction.", by_policy)
         self.decode_compactions = counter("decode_compactions", "Decode-time compactions that evicted tokens "
-                                          "(DESIGN.md §4.8 c).", ["policy"])
+                                          "(DESIGN.md §4.8 c).", by_policy)
         self.decode_evicted_tokens = counter("decode_evicted_tokens", "Tokens evicted by decode-time compactions "
-                                             "(average over layers and KV heads).", ["policy"])
+                                             "(average over layers and KV heads).", by_policy)
         self.compression = histogram("eviction_compression_ratio", "Kept / prompt KV tokens per evicted request.",
-                                     RATIO_BUCKETS, ["policy"])
+                                     RATIO_BUCKETS, by_policy)
         self.evict_latency = histogram("eviction_latency_seconds", "Scoring + compaction time per evicted "
-                                       "request (when the engine reports it).", LATENCY_BUCKETS, ["policy"])
+                                       "request (when the engine reports it).", LATENCY_BUCKETS, by_policy)
         self._lock = threading.Lock()
         self._engines: dict[int, _EngineState] = {}
-        self._last_avg_blocks: float | None = None
         self._max_model_len: int | None = None
         self._block_size: int | None = None
-
-    def collectors(self) -> list:
-        return [v for v in vars(self).values() if isinstance(v, (Counter, Gauge, Histogram))]
 
     # ----------------------------------------------------------------------------------- engine stats
     def register_engine(self, engine: int) -> None:
@@ -253,7 +275,7 @@ class EvictMetrics:
             st = self._engines.setdefault(engine, _EngineState())
             if num_blocks:
                 st.num_blocks = int(num_blocks)
-            self._refresh()
+            self._refresh(engine)
 
     def record_scheduler(self, *, num_blocks: int | None, kv_cache_usage: float, num_running: int,
                          num_waiting: int, engine: int = 0) -> None:
@@ -264,82 +286,83 @@ class EvictMetrics:
             st.usage = min(max(float(kv_cache_usage), 0.0), 1.0)
             st.running = int(num_running)
             st.waiting = int(num_waiting)
-            self._refresh()
+            self._refresh(engine)
 
-    def _refresh(self) -> None:
-        """Set the gauges from the engines' last statistics (summed over engines; the usage ratio is the
-        block-weighted mean, i.e. vLLM's own ratio with one engine)."""
-        states = list(self._engines.values())
-        running = sum(s.running for s in states)
-        self.running.set(running)
-        self.waiting.set(sum(s.waiting for s in states))
-        sized = [s for s in states if s.num_blocks]
-        total = sum(s.num_blocks for s in sized)
-        if total:
-            usage = sum(s.usage * s.num_blocks for s in sized) / total
-            used = sum(int(round(s.usage * s.num_blocks)) for s in sized)
-            self.kv_blocks.set(total)
-            self.kv_used_blocks.set(used)
-            self.kv_free_blocks.set(total - used)
-            if running > 0 and used > 0:
-                self._last_avg_blocks = used / running
-            avg = self._last_avg_blocks
-            if avg is None and self._max_model_len and self._block_size:
-                avg = float(math.ceil(self._max_model_len / self._block_size))  # before any traffic
-            if avg:
-                self.avg_seq_blocks.set(avg)
-                self.batch_capacity.set(total / avg)
-        else:
-            usage = sum(s.usage for s in states) / len(states) if states else 0.0
-        self.kv_usage.set(usage)
+    def _refresh(self, engine: int) -> None:
+        """Set one engine's gauges from its last statistics."""
+        st, label = self._engines[engine], {"engine": str(engine)}
+        self.running.labels(**label).set(st.running)
+        self.waiting.labels(**label).set(st.waiting)
+        self.kv_usage.labels(**label).set(st.usage)
+        if not st.num_blocks:
+            return
+        used = int(round(st.usage * st.num_blocks))
+        self.kv_blocks.labels(**label).set(st.num_blocks)
+        self.kv_used_blocks.labels(**label).set(used)
+        self.kv_free_blocks.labels(**label).set(st.num_blocks - used)
+        if st.running > 0 and used > 0:
+            st.last_avg_blocks = used / st.running
+        avg = st.last_avg_blocks
+        if avg is None and self._max_model_len and self._block_size:
+            avg = float(math.ceil(self._max_model_len / self._block_size))  # before any traffic
+        if avg:
+            self.avg_seq_blocks.labels(**label).set(avg)
+            self.batch_capacity.labels(**label).set(st.num_blocks / avg)
 
     def record_iteration(self, *, generation_tokens: int, prompt_tokens: int, ttfts: list[float],
-                         tpots: list[float]) -> None:
+                         tpots: list[float], engine: int = 0) -> None:
+        label = {"engine": str(engine)}
         if generation_tokens:
-            self.generation_tokens.inc(generation_tokens)
-            self._decode_rate.add(generation_tokens)
+            self.generation_tokens.labels(**label).inc(generation_tokens)
+            self.decode_tps.of(engine).add(generation_tokens)
         if prompt_tokens:
-            self.prompt_tokens.inc(prompt_tokens)
+            self.prompt_tokens.labels(**label).inc(prompt_tokens)
         for t in ttfts:
-            self.ttft.observe(t)
+            self.ttft.labels(**label).observe(t)
         for t in tpots:
-            self.tpot.observe(t)
+            self.tpot.labels(**label).observe(t)
 
     # ----------------------------------------------------------------------------------- eviction
     def observe_eviction(self, report: dict[str, Any], policy: str | None = None) -> None:
         """One engine eviction report (see docs/ARCHITECTURE.md) of a finished request, labelled with
-        `policy` (else the report's own `policy`, else "unknown")."""
-        policy = str(policy or report.get("policy") or "unknown")
-        self.evictions.labels(policy=policy).inc()
+        `policy` (else the report's own `policy`, else "unknown") and the report's `engine`."""
+        labels = self._labels(report, policy)
+        self.evictions.labels(**labels).inc()
         prompt = _num(report.get("prompt_tokens"))
         kept = _num(report.get("kept_tokens_per_head"))
         if prompt is not None and prompt >= 0:
-            self.evict_prompt_tokens.labels(policy=policy).inc(prompt)
+            self.evict_prompt_tokens.labels(**labels).inc(prompt)
         if kept is not None and kept >= 0:
-            self.evict_kept_tokens.labels(policy=policy).inc(kept)
+            self.evict_kept_tokens.labels(**labels).inc(kept)
         if prompt and kept is not None and prompt > 0:
-            self.compression.labels(policy=policy).observe(kept / prompt)
+            self.compression.labels(**labels).observe(kept / prompt)
         freed = _num(report.get("blocks_freed"))
         if freed is None:
             before, after = _num(report.get("blocks_before")), _num(report.get("blocks_after"))
             if before is not None and after is not None:
                 freed = before - after
         if freed is not None and freed > 0:
-            self.blocks_freed.labels(policy=policy).inc(freed)
+            self.blocks_freed.labels(**labels).inc(freed)
         latency_ms = _num(report.get("latency_ms"))
         if latency_ms is not None and latency_ms >= 0:
-            self.evict_latency.labels(policy=policy).observe(latency_ms / 1000.0)
+            self.evict_latency.labels(**labels).observe(latency_ms / 1000.0)
         self.observe_decode(None, report, policy)
 
     def observe_decode(self, previous: dict[str, Any] | None, report: dict[str, Any], policy: str | None = None) -> None:
         """The decode-time compactions a request's newer report adds to its `previous` one (None: all)."""
-        policy = str(policy or report.get("policy") or "unknown")
+        labels = self._labels(report, policy)
         for key, metric in (("decode_compactions", self.decode_compactions),
                             ("decode_evicted_tokens", self.decode_evicted_tokens),
                             ("decode_blocks_freed", self.blocks_freed)):
             added = (_num(report.get(key)) or 0) - (_num((previous or {}).get(key)) or 0)
             if added > 0:
-                metric.labels(policy=policy).inc(added)
+                metric.labels(**labels).inc(added)
+
+    @staticmethod
+    def _labels(report: dict[str, Any], policy: str | None) -> dict[str, str]:
+        engine = report.get("engine")
+        return {"policy": str(policy or report.get("policy") or "unknown"),
+                "engine": str(engine if isinstance(engine, int) and not isinstance(engine, bool) else 0)}
 
 
 _metrics: EvictMetrics | None = None
@@ -421,6 +444,7 @@ def _make_stat_logger_class():
                     ttfts=list(iteration_stats.time_to_first_tokens_iter),
                     tpots=[f.mean_time_per_output_token for f in iteration_stats.finished_requests
                            if f.num_generation_tokens > 1],
+                    engine=self.engine_index,
                 )
 
     EvictStatLogger.__module__ = __name__

@@ -1,7 +1,8 @@
 """`vllm-evict serve --data-parallel-size 2` on CPU (two engines behind one API server, vLLM's internal
-load balancing), each engine with a KV cache of 40 blocks: evicting requests run on both engines, and a
-request that no engine could ever hold is a 400 at arrival, streaming or not, as on one engine (the API
-process keeps each engine's cache size, not only their sum)."""
+load balancing), each engine with a KV cache of 40 blocks: evicting requests run on both engines (and the
+`vllm_evict:*` metrics say which, per engine), and a request that no engine could ever hold is a 400 at
+arrival, streaming or not, as on one engine (the API process keeps each engine's cache size, not only
+their sum)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,9 @@ def test_evicting_requests_run_on_both_engines(server):
     for engine, count in re.findall(r'^vllm:request_success_total\{[^}]*engine="(\d+)"[^}]*\} (\S+)', metrics, re.M):
         served[engine] = served.get(engine, 0.0) + float(count)
     assert set(served) == {"0", "1"} and all(count > 0 for count in served.values()), served
+    # the vllm_evict:* series carry vLLM's engine label: each engine's evictions and its own cache
+    evicted = {engine: float(count) for engine, count in re.findall(
+        r'^vllm_evict:evictions_total\{engine="(\d+)",policy="snapkv"\} (\S+)', metrics, re.M)}
+    assert set(evicted) == {"0", "1"} and min(evicted.values()) > 0 and sum(evicted.values()) == 8, evicted
+    blocks = re.findall(r'^vllm_evict:kv_cache_blocks\{engine="(\d+)"\} (\S+)', metrics, re.M)
+    assert sorted(blocks) == [("0", "39.0"), ("1", "39.0")], blocks

@@ -43,7 +43,6 @@ def metrics(monkeypatch):
     m = M.get_metrics()
     with m._lock:
         m._engines.clear()
-        m._last_avg_blocks = None
     return m
 
 
@@ -90,7 +89,7 @@ def test_metrics_live_in_the_global_registry_once(metrics):
     assert M.get_metrics() is metrics
     again = M.EvictMetrics()  # a second instance reuses the registered collectors instead of raising
     assert again.evictions is metrics.evictions and again.kv_usage is metrics.kv_usage
-    assert again._decode_rate is metrics._decode_rate  # the exposed throughput window is shared too
+    assert again.decode_tps is metrics.decode_tps  # the exposed throughput windows are shared too
     families = {f.name: f.type for f in REGISTRY.collect() if f.name.startswith(M.PREFIX)}
     assert set(families) == set(M.METRIC_NAMES)
     for gone in ("vllm_evict:requests", "vllm_evict:requests_aborted", "vllm_evict:request_errors"):
@@ -124,67 +123,80 @@ def test_record_updates_gauges_and_counters(metrics):
 
     logger = M.EvictStatLogger(cfg(num_gpu_blocks=101, block_size=16, max_model_len=4096), 0)
     logger.log_engine_initialized()
-    assert val("vllm_evict:kv_cache_blocks") == 100  # vLLM's null block excluded
-    assert val("vllm_evict:kv_cache_free_blocks") == 100 and val("vllm_evict:kv_cache_used_blocks") == 0
-    assert val("vllm_evict:avg_sequence_blocks") == 256  # before traffic: ceil(max_model_len / block_size)
-    assert val("vllm_evict:batch_capacity_sequences") == pytest.approx(100 / 256)
+    assert val("vllm_evict:kv_cache_blocks", engine="0") == 100  # vLLM's null block excluded
+    assert val("vllm_evict:kv_cache_free_blocks", engine="0") == 100 and val("vllm_evict:kv_cache_used_blocks", engine="0") == 0
+    assert val("vllm_evict:avg_sequence_blocks", engine="0") == 256  # before traffic: ceil(max_model_len / block_size)
+    assert val("vllm_evict:batch_capacity_sequences", engine="0") == pytest.approx(100 / 256)
 
-    before = {n: val(n) for n in ("vllm_evict:prompt_tokens_total", "vllm_evict:generation_tokens_total",
+    before = {n: val(n, engine="0") for n in ("vllm_evict:prompt_tokens_total", "vllm_evict:generation_tokens_total",
                                   "vllm_evict:time_to_first_token_seconds_count",
                                   "vllm_evict:time_to_first_token_seconds_sum",
                                   "vllm_evict:time_per_output_token_seconds_count",
                                   "vllm_evict:time_per_output_token_seconds_sum")}
-    ttft_le_01 = val("vllm_evict:time_to_first_token_seconds_bucket", le="0.1")
+    ttft_le_01 = val("vllm_evict:time_to_first_token_seconds_bucket", le="0.1", engine="0")
     sched = SchedulerStats(num_running_reqs=4, num_waiting_reqs=2, num_skipped_waiting_reqs=1, kv_cache_usage=0.3)
     it = _iteration(gen=5, prompt=37, ttfts=[0.05, 0.2], finished=[(10, 0.02), (1, 9.0)])
     logger.record(sched, it, None, engine_idx=0)
 
-    assert val("vllm_evict:num_requests_running") == 4
-    assert val("vllm_evict:num_requests_waiting") == 3  # waiting + skipped waiting
-    assert val("vllm_evict:kv_cache_usage_ratio") == pytest.approx(0.3)
-    assert val("vllm_evict:kv_cache_used_blocks") == 30 and val("vllm_evict:kv_cache_free_blocks") == 70
-    assert val("vllm_evict:avg_sequence_blocks") == pytest.approx(7.5)
-    assert val("vllm_evict:batch_capacity_sequences") == pytest.approx(100 / 7.5)
-    assert val("vllm_evict:prompt_tokens_total") - before["vllm_evict:prompt_tokens_total"] == 37
-    assert val("vllm_evict:generation_tokens_total") - before["vllm_evict:generation_tokens_total"] == 5
-    assert val("vllm_evict:decode_throughput_tokens_per_second") > 0
-    assert val("vllm_evict:time_to_first_token_seconds_count") - \
+    assert val("vllm_evict:num_requests_running", engine="0") == 4
+    assert val("vllm_evict:num_requests_waiting", engine="0") == 3  # waiting + skipped waiting
+    assert val("vllm_evict:kv_cache_usage_ratio", engine="0") == pytest.approx(0.3)
+    assert val("vllm_evict:kv_cache_used_blocks", engine="0") == 30 and val("vllm_evict:kv_cache_free_blocks", engine="0") == 70
+    assert val("vllm_evict:avg_sequence_blocks", engine="0") == pytest.approx(7.5)
+    assert val("vllm_evict:batch_capacity_sequences", engine="0") == pytest.approx(100 / 7.5)
+    assert val("vllm_evict:prompt_tokens_total", engine="0") - before["vllm_evict:prompt_tokens_total"] == 37
+    assert val("vllm_evict:generation_tokens_total", engine="0") - before["vllm_evict:generation_tokens_total"] == 5
+    assert val("vllm_evict:decode_throughput_tokens_per_second", engine="0") > 0
+    assert val("vllm_evict:time_to_first_token_seconds_count", engine="0") - \
         before["vllm_evict:time_to_first_token_seconds_count"] == 2
-    assert val("vllm_evict:time_to_first_token_seconds_sum") - \
+    assert val("vllm_evict:time_to_first_token_seconds_sum", engine="0") - \
         before["vllm_evict:time_to_first_token_seconds_sum"] == pytest.approx(0.25)
-    assert val("vllm_evict:time_to_first_token_seconds_bucket", le="0.1") - ttft_le_01 == 1
+    assert val("vllm_evict:time_to_first_token_seconds_bucket", le="0.1", engine="0") - ttft_le_01 == 1
     # TPOT only for finished requests with more than one generated token
-    assert val("vllm_evict:time_per_output_token_seconds_count") - \
+    assert val("vllm_evict:time_per_output_token_seconds_count", engine="0") - \
         before["vllm_evict:time_per_output_token_seconds_count"] == 1
-    assert val("vllm_evict:time_per_output_token_seconds_sum") - \
+    assert val("vllm_evict:time_per_output_token_seconds_sum", engine="0") - \
         before["vllm_evict:time_per_output_token_seconds_sum"] == pytest.approx(0.02)
 
     # idle step: queues and usage drop, the average sequence length keeps its last value
     logger.record(SchedulerStats(), None)
-    assert val("vllm_evict:num_requests_running") == 0 and val("vllm_evict:kv_cache_usage_ratio") == 0
-    assert val("vllm_evict:kv_cache_free_blocks") == 100
-    assert val("vllm_evict:avg_sequence_blocks") == pytest.approx(7.5)
+    assert val("vllm_evict:num_requests_running", engine="0") == 0 and val("vllm_evict:kv_cache_usage_ratio", engine="0") == 0
+    assert val("vllm_evict:kv_cache_free_blocks", engine="0") == 100
+    assert val("vllm_evict:avg_sequence_blocks", engine="0") == pytest.approx(7.5)
 
 
-def test_data_parallel_engines_are_summed(metrics):
-    """vLLM builds one logger per engine through its PerEngineStatLoggerAdapter; the gauges are totals."""
+def test_data_parallel_engines_are_labelled_as_vllm_labels_its_own(metrics):
+    """vLLM builds one logger per engine through its PerEngineStatLoggerAdapter and labels its series with
+    the engine index; so do these: one series per engine, summed by the query."""
     from vllm.v1.metrics.loggers import PerEngineStatLoggerAdapter
     from vllm.v1.metrics.stats import SchedulerStats
 
     # the API process's num_gpu_blocks is the sum over its engines (2 x 101 here)
     adapter = PerEngineStatLoggerAdapter(cfg(num_gpu_blocks=202), [0, 1], M.EvictStatLogger)
     adapter.log_engine_initialized()
-    assert val("vllm_evict:kv_cache_blocks") == 200
-    adapter.record(SchedulerStats(num_running_reqs=2, kv_cache_usage=0.5), None, engine_idx=0)
+    assert val("vllm_evict:kv_cache_blocks", engine="0") == val("vllm_evict:kv_cache_blocks", engine="1") == 100
+    adapter.record(SchedulerStats(num_running_reqs=2, kv_cache_usage=0.5), _iteration(
+        gen=8, prompt=0, ttfts=[], finished=[]), engine_idx=0)
     adapter.record(SchedulerStats(num_running_reqs=1, num_waiting_reqs=4, kv_cache_usage=0.1), None, engine_idx=1)
-    assert val("vllm_evict:num_requests_running") == 3 and val("vllm_evict:num_requests_waiting") == 4
-    assert val("vllm_evict:kv_cache_used_blocks") == 60 and val("vllm_evict:kv_cache_free_blocks") == 140
-    assert val("vllm_evict:kv_cache_usage_ratio") == pytest.approx(0.3)
-    assert val("vllm_evict:avg_sequence_blocks") == pytest.approx(20)
-    assert val("vllm_evict:batch_capacity_sequences") == pytest.approx(10)
+    per_engine = {name: [val(name, engine=e) for e in "01"] for name in (
+        "vllm_evict:num_requests_running", "vllm_evict:num_requests_waiting", "vllm_evict:kv_cache_used_blocks",
+        "vllm_evict:kv_cache_free_blocks", "vllm_evict:kv_cache_usage_ratio", "vllm_evict:avg_sequence_blocks",
+        "vllm_evict:batch_capacity_sequences")}
+    assert per_engine == {"vllm_evict:num_requests_running": [2, 1], "vllm_evict:num_requests_waiting": [0, 4],
+                          "vllm_evict:kv_cache_used_blocks": [50, 10], "vllm_evict:kv_cache_free_blocks": [50, 90],
+                          "vllm_evict:kv_cache_usage_ratio": [0.5, pytest.approx(0.1)],
+                          "vllm_evict:avg_sequence_blocks": [25, 10], "vllm_evict:batch_capacity_sequences": [4, 10]}
+    assert val("vllm_evict:decode_throughput_tokens_per_second", engine="0") > 0
+    assert val("vllm_evict:decode_throughput_tokens_per_second", engine="1") == 0
     # engine 0 goes idle: engine 1's numbers remain
     adapter.record(SchedulerStats(), None, engine_idx=0)
-    assert val("vllm_evict:num_requests_running") == 1 and val("vllm_evict:kv_cache_used_blocks") == 10
+    assert val("vllm_evict:num_requests_running", engine="0") == 0
+    assert val("vllm_evict:num_requests_running", engine="1") == 1
+    assert val("vllm_evict:kv_cache_used_blocks", engine="1") == 10
+    # an eviction report names the engine that served it (under data parallelism)
+    before = val("vllm_evict:evictions_total", policy="t-dp", engine="1")
+    M.observe_eviction({"policy": "t-dp", "engine": 1, "prompt_tokens": 64, "kept_tokens_per_head": 16})
+    assert val("vllm_evict:evictions_total", policy="t-dp", engine="1") - before == 1
 
 
 # ----------------------------------------------------------------------------------------------- eviction
@@ -205,7 +217,7 @@ def _snapshot(policy: str) -> dict[str, float]:
         "decode_n": ("vllm_evict:decode_compactions_total", {}),
         "decode_tokens": ("vllm_evict:decode_evicted_tokens_total", {}),
     }
-    return {k: val(n, policy=policy, **extra) for k, (n, extra) in names.items()}
+    return {k: val(n, policy=policy, engine="0", **extra) for k, (n, extra) in names.items()}
 
 
 def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -272,6 +284,7 @@ def test_served_on_vllm_metrics_route(metrics, monkeypatch, tmp_path):
     from vllm.v1.metrics.prometheus import get_prometheus_registry
 
     M.observe_eviction({"prompt_tokens": 64, "kept_tokens_per_head": 16}, "t-route")
+    metrics.record_scheduler(num_blocks=100, kv_cache_usage=0.25, num_running=1, num_waiting=0)
     app = FastAPI()
 
     @app.post("/v1/completions")
@@ -282,8 +295,8 @@ def test_served_on_vllm_metrics_route(metrics, monkeypatch, tmp_path):
     with TestClient(app) as client:
         assert client.post("/v1/completions").status_code == 400
         text = client.get("/metrics").text
-    assert "vllm_evict:kv_cache_usage_ratio " in text
-    assert 'vllm_evict:evictions_total{policy="t-route"} ' in text
+    assert 'vllm_evict:kv_cache_usage_ratio{engine="0"} ' in text
+    assert 'vllm_evict:evictions_total{engine="0",policy="t-route"} ' in text
     assert 'http_requests_total{handler="/v1/completions",method="POST",status="4xx"}' in text
 
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))

@@ -75,4 +75,4 @@ def test_bad_field_400_and_metrics(stock_server):
         "model": "tiny-llama", "prompt": "x", "max_tokens": 2, "stream": True, "eviction": {"budget": 7.5}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "eviction", r.text
     text = httpx.get(stock_server.url + "/metrics", timeout=30).text
-    assert 'vllm_evict:evictions_total{policy="snapkv"}' in text and "vllm:num_requests_running" in text
+    assert 'vllm_evict:evictions_total{engine="0",policy="snapkv"}' in text and "vllm:num_requests_running" in text

@@ -530,6 +530,11 @@ class _EvictionSchedulerMixin:
                 report["blocks_held"] = -(-(request.num_computed_tokens - ev.removed) // self.page_size)
         if ev.latency_ms is not None:
             report["latency_ms"] = round(ev.latency_ms, 3)
+        # which data-parallel engine served it, when not the first (the metrics' `engine` label): vLLM keeps
+        # the index there (a dense model's engines each run as data_parallel_size 1)
+        engine = getattr(self.vllm_config.parallel_config, "data_parallel_index", 0)
+        if engine:
+            report["engine"] = engine
         return report
 
 
