@@ -94,9 +94,9 @@ def configure(args: argparse.Namespace, parser) -> None:
             setattr(args, key, needed[key])
         elif str(getattr(value, "name", value)) not in accepted:
             raise ValueError(f"{flag} {value}: vllm-evict needs {flag} {needed[key]}")
-    if args.api_server_count is None:
+    if args.api_server_count is None and not getattr(args, "headless", False):  # a headless node serves no API
         args.api_server_count = 1  # vLLM would default to the data-parallel size
-    if args.api_server_count > 1:
+    if (args.api_server_count or 0) > 1:
         raise ValueError(f"--api-server-count {args.api_server_count}: vllm-evict needs one API server process "
                          "(its vllm_evict:* metrics are recorded in that process)")
     if _on_cpu():

@@ -661,6 +661,79 @@ def test_k8s_kustomization_lists_every_manifest():
             ["Deployment", "PersistentVolumeClaim", "Service", "ServiceMonitor"]
 
 
+def lws_objects() -> dict[str, dict]:
+    objs = {}
+    for path in sorted((K8S / "multi-node").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            objs[doc["kind"]] = doc
+    return objs
+
+
+def _flag(args: list[str], flag: str) -> str:
+    assert args.count(flag) == 1, flag
+    return str(args[args.index(flag) + 1])
+
+
+def test_k8s_multi_node_leader_worker_set():
+    """The LeaderWorkerSet of deploy/k8s/multi-node: vLLM's own multi-node launch over `size` pods (leader
+    node rank 0 with the API, workers headless at LWS_WORKER_INDEX, all at LWS_LEADER_ADDRESS), whose TP x PP
+    is every GPU of the group; both pod templates parse with the real `vllm-evict serve` parser; probes and
+    the Service reach the leader's port 8000; the kustomization lists every manifest."""
+    o = lws_objects()
+    lws, svc = o["LeaderWorkerSet"], o["Service"]
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    template = lws["spec"]["leaderWorkerTemplate"]
+    size = template["size"]
+    (leader,) = template["leaderTemplate"]["spec"]["containers"]
+    (worker,) = template["workerTemplate"]["spec"]["containers"]
+    engine_flags = ("--tensor-parallel-size", "--pipeline-parallel-size", "--nnodes", "--master-addr",
+                    "--distributed-executor-backend", "--max-model-len")
+    gpus = int(leader["resources"]["limits"]["nvidia.com/gpu"])
+    for c in (leader, worker):
+        assert c["image"] and int(c["resources"]["limits"]["nvidia.com/gpu"]) == gpus
+        assert _flag(c["args"], "--nnodes") == str(size)
+        assert _flag(c["args"], "--master-addr") == "$(LWS_LEADER_ADDRESS)"
+        assert _flag(c["args"], "--distributed-executor-backend") == "mp"
+        assert {e["name"]: e.get("value") for e in c["env"]}["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert leader["args"][0] == worker["args"][0] and not leader["args"][0].startswith("-")
+    assert [_flag(leader["args"], f) for f in engine_flags] == [_flag(worker["args"], f) for f in engine_flags]
+    tp, pp = int(_flag(leader["args"], "--tensor-parallel-size")), int(_flag(leader["args"], "--pipeline-parallel-size"))
+    assert tp * pp == size * gpus
+    assert _flag(leader["args"], "--node-rank") == "0" and "--headless" not in leader["args"]
+    assert _flag(worker["args"], "--node-rank") == "$(LWS_WORKER_INDEX)" and "--headless" in worker["args"]
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert leader[probe]["httpGet"]["path"] == "/health"
+        assert _port_number(leader, leader[probe]["httpGet"]["port"]) == SERVER_PORT
+    for pod in (template["leaderTemplate"]["spec"], template["workerTemplate"]["spec"]):
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == NON_ROOT_UID
+    leader_labels = {**template["leaderTemplate"]["metadata"]["labels"],
+                     "leaderworkerset.sigs.k8s.io/name": lws["metadata"]["name"]}  # set by the controller
+    assert svc["spec"]["selector"].items() <= leader_labels.items()
+    assert not svc["spec"]["selector"].items() <= {**template["workerTemplate"]["metadata"]["labels"],
+                                                   "leaderworkerset.sigs.k8s.io/name": lws["metadata"]["name"]}.items()
+    (port,) = svc["spec"]["ports"]
+    assert _port_number(leader, port["targetPort"]) == SERVER_PORT
+
+    pytest.importorskip("vllm")
+    from vllm_evict.server.cli import build_parser
+
+    for c, rank in ((leader, "0"), (worker, "1")):  # LWS's variables as the kubelet expands them
+        args = [a.replace("$(LWS_LEADER_ADDRESS)", "10.0.0.1").replace("$(LWS_WORKER_INDEX)", rank)
+                for a in c["args"]]
+        parsed = build_parser().parse_args(["--host", "0.0.0.0", "--port", str(SERVER_PORT), *args])
+        assert (parsed.nnodes, parsed.node_rank, parsed.master_addr) == (size, int(rank), "10.0.0.1")
+        assert parsed.headless == (rank != "0")
+
+    kust = yaml.safe_load((K8S / "multi-node" / "kustomization.yaml").read_text())
+    assert set(kust["resources"]) == {p.name for p in (K8S / "multi-node").glob("*.yaml")} - {"kustomization.yaml"}
+    kubectl = shutil.which("kubectl")
+    if kubectl:
+        r = subprocess.run([kubectl, "kustomize", str(K8S / "multi-node")], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert sorted(d["kind"] for d in yaml.safe_load_all(r.stdout)) == ["LeaderWorkerSet", "Service"]
+
+
 # ============================================================================ engine: live server
 LONG_PROMPT = ("the key value of the city river blue green red sky grass sun moon code token cache page head "
                "layer attention query memory model request budget policy evict keep score window prompt ") * 6
