@@ -44,6 +44,9 @@ def test_vllm_serve_flags_and_eviction_settings(tmp_path, monkeypatch):
 def test_one_api_server_with_data_parallel(tmp_path):
     """vLLM would start one API server per data-parallel rank; the metrics need exactly one."""
     assert configured(str(tmp_path), "--data-parallel-size", "2").api_server_count == 1
+    # a headless node (multi-node launch, node rank > 0) serves no API: vLLM refuses any count there
+    headless = configured(str(tmp_path), "--nnodes", "2", "--node-rank", "1", "--headless")
+    assert headless.api_server_count is None and headless.headless
 
 
 def test_explicit_compatible_flags_win(tmp_path, monkeypatch):
