@@ -135,14 +135,14 @@ def check_evicting_again(engine, reference, exact: bool, seed: int = 1) -> None:
     assert idle(engine)
 
 
-def check_aborts_leak_nothing(engine, seed: int = 2) -> None:
+def check_aborts_leak_nothing(engine, seed: int = 2, cases: list[dict] | None = None) -> None:
     """Requests aborted at random steps (mid-prefill, around compaction, mid-decode) return every block of
-    every group."""
+    every group (cases: default the one-shot and evicting-again ones)."""
     from vllm import SamplingParams
 
     rng = random.Random(seed)
     llm_engine = engine.llm_engine
-    cases = ONE_SHOT + again(page_of(engine))
+    cases = cases or ONE_SHOT + again(page_of(engine))
     ids = []
     for i, case in enumerate(cases * 2):
         req_id = f"abort-{seed}-{i}"

@@ -6,12 +6,11 @@ after aborts at random steps too. One engine for the module."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
+from tests.engine.hybrid import check_aborts_leak_nothing, idle
 from tests.engine.inprocess import inprocess_llm, two_cpu_workers
-from tests.engine.test_eviction import check_against_reference, params, random_prompt, scheduler_of
+from tests.engine.test_eviction import check_against_reference, params, random_prompt
 
 pytestmark = pytest.mark.engine
 
@@ -32,12 +31,6 @@ def engine(tiny_llama):
         with inprocess_llm(tiny_llama, block_size=PAGE, max_model_len=1280, max_num_batched_tokens=256,
                            pipeline_parallel_size=2, distributed_executor_backend="mp") as llm:
             yield llm
-
-
-def idle(engine) -> bool:
-    scheduler = scheduler_of(engine)
-    pool = scheduler.kv_cache_manager.block_pool
-    return pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 and not scheduler.evictions
 
 
 def test_every_mode_follows_the_reference_across_stages(engine, reference):
@@ -62,21 +55,4 @@ def test_every_mode_follows_the_reference_across_stages(engine, reference):
 
 
 def test_aborts_at_random_steps_return_every_block(engine):
-    from vllm import SamplingParams
-
-    rng = random.Random(4)
-    llm_engine = engine.llm_engine
-    ids = []
-    for i, case in enumerate(CASES * 2):
-        req_id = f"abort-{i}"
-        llm_engine.add_request(req_id, {"prompt_token_ids": random_prompt(50 + i, rng.randrange(150, 400))},
-                               SamplingParams(temperature=0, max_tokens=48, ignore_eos=True,
-                                              extra_args={"vllm_evict": case}))
-        ids.append((req_id, rng.randrange(1, 30)))
-    step = 0
-    while llm_engine.has_unfinished_requests():
-        llm_engine.abort_request([req_id for req_id, at in ids if at == step])
-        llm_engine.step()
-        step += 1
-        assert step < 500
-    assert idle(engine)
+    check_aborts_leak_nothing(engine, seed=4, cases=CASES)
