@@ -493,17 +493,22 @@ def _check_inputs(policy, q, k, v, gqa, lengths):
 MAX_ROWS_X_HEAD_DIM = 128 * 128
 
 
-def query_head_chunks(g: int, w: int, D: int) -> int:
-    """How many chunks the g query heads of a KV head are scored in (a divisor of g), so that a chunk's
-    window rows times the head dim fit MAX_ROWS_X_HEAD_DIM; 1 when the group fits, g when not even one
-    head does (then the kernels spill)."""
+def query_head_chunks(g: int, w: int, D: int) -> list[int]:
+    """The sizes of the chunks the g query heads of a KV head are scored in: as few as possible, as even as
+    possible, each of whose window rows times the head dim fit MAX_ROWS_X_HEAD_DIM ([g] when the group
+    fits; one head a chunk when not even one head fits, then the kernels spill)."""
     D_P = max(16, _next_pow2(D))
-    for chunks in (c for c in range(1, g + 1) if g % c == 0):
-        G_P = _next_pow2(g // chunks)
+    size = 1
+    while size < g:  # the largest power of two of heads a chunk can take
+        G_P = 2 * size
         W_P = max(_next_pow2(w), 16 // G_P) if G_P < 16 else _next_pow2(w)
-        if G_P * W_P * D_P <= MAX_ROWS_X_HEAD_DIM:
-            return chunks
-    return g
+        if G_P * W_P * D_P > MAX_ROWS_X_HEAD_DIM:
+            break
+        size = G_P
+    if size >= g:
+        return [g]
+    count = -(-g // size)
+    return [g // count + (i < g % count) for i in range(count)]
 
 
 def _plan(policy, q_window, keys, values, scale, gqa, config, lengths):
@@ -687,21 +692,29 @@ def window_scores_batched(
         out = torch.empty((B, H_kv, n), device=keys.device, dtype=torch.float32)
     elif tuple(out.shape) != (B, H_kv, n) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError("out must be a contiguous float32 [B, H_kv, n] tensor")
-    chunks = query_head_chunks(plan["g"], plan["w"], plan["D"]) if plan["H_q"] == plan["g"] * H_kv else 1
-    if chunks == 1:
+    chunks = query_head_chunks(plan["g"], plan["w"], plan["D"]) if plan["H_q"] == plan["g"] * H_kv else [1]
+    if len(chunks) == 1:
         return _score(plan, q_window, keys, values, *_forward(plan, q_window, keys, values), out)
-    # each chunk of g / chunks query heads per KV head is a GQA group of its own; a head's raw score is
-    # the mean (or max) over the group's heads, so the chunks' scores combine by their mean (or max)
-    g, size = plan["g"], plan["g"] // chunks
+    # each chunk of a KV head's query heads is a GQA group of its own; a head's raw score is the mean (or max)
+    # over the group's heads, so the chunks' scores combine by their mean weighted by size (or max)
+    g = plan["g"]
     grouped = q_window.reshape(B, plan["w"], H_kv, g, plan["D"])
     part = torch.empty_like(out)
-    for chunk in range(chunks):
-        q_chunk = grouped[:, :, :, chunk * size:(chunk + 1) * size].reshape(B, plan["w"], H_kv * size, plan["D"])
+    start = 0
+    for size in chunks:
+        q_chunk = grouped[:, :, :, start:start + size].reshape(B, plan["w"], H_kv * size, plan["D"])
+        scores = out if start == 0 else part
         window_scores_batched(policy, q_chunk, keys, values, scale=plan["scale"], gqa=gqa, config=config,
-                              out=out if chunk == 0 else part, lengths=lengths)
-        if chunk:
-            torch.maximum(out, part, out=out) if gqa == "max" else out.add_(part)
-    return out if gqa == "max" else out.div_(chunks)
+                              out=scores, lengths=lengths)
+        if gqa == "max":
+            if start:
+                torch.maximum(out, part, out=out)
+        elif start:
+            out.add_(part, alpha=size / g)
+        else:
+            out.mul_(size / g)
+        start += size
+    return out
 
 
 def window_scores(

@@ -197,11 +197,11 @@ _INTERP_SCRIPT = textwrap.dedent(
     # (60, 4, 12, 6, 16): many KV heads, as when the engine folds layers into the head axis; the last two are
     # ragged held sets (the smallest head holds more than w keys: with n_i = w window row 0 sees key 0 alone,
     # p = 1, and dropkv's weight 1/eps^2 amplifies rounding noise past any tolerance, reference included);
-    # (45, 32, 16, 2, 128): 8 query heads a KV head, scored in two chunks of 4 (query_head_chunks)
+    # (45, 32, 14, 2, 128): 7 query heads a KV head, scored in chunks of 4 and 3 (query_head_chunks)
     for (n, w, Hq, Hkv, D, held) in [(100, 8, 8, 2, 32, None), (77, 3, 6, 2, 16, None), (130, 32, 4, 1, 16, None),
                                      (50, 1, 4, 1, 16, None), (60, 4, 12, 6, 16, None),
                                      (70, 4, 6, 3, 16, [70, 9, 37]), (40, 1, 4, 2, 16, [2, 40]),
-                                     (45, 32, 16, 2, 128, [45, 36])]:
+                                     (45, 32, 14, 2, 128, [45, 36])]:
         lengths = None if held is None else torch.tensor(held)
         for dt in ((torch.float16, torch.float32) if n == 77 else (torch.float16,)):
             q = torch.randn(w, Hq, D, generator=g).to(dt)
@@ -226,13 +226,14 @@ _INTERP_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("g,w,D,chunks", [(4, 32, 128, 1), (8, 32, 128, 2), (2, 32, 256, 1), (8, 32, 256, 4),
-                                           (8, 8, 256, 1), (8, 8, 64, 1), (6, 32, 256, 3), (4, 256, 128, 4)])
+@pytest.mark.parametrize("g,w,D,chunks", [(4, 32, 128, [4]), (8, 32, 128, [4, 4]), (2, 32, 256, [2]),
+                                           (8, 32, 256, [2, 2, 2, 2]), (8, 8, 256, [8]), (8, 8, 64, [8]),
+                                           (7, 32, 128, [4, 3]), (6, 32, 256, [2, 2, 2]), (4, 256, 128, [1] * 4)])
 def test_query_heads_are_scored_in_chunks_that_fit_registers(g, w, D, chunks):
     from vllm_evict.kernels.window_scores import query_head_chunks
 
     # Llama-3.1-8B, Gemma-3-12B, Qwen3-Next (8 heads of 256 a KV head) at w = 32; DropKV's w = 8; GPT-OSS;
-    # a group of 6; a window too long for one head (then the kernels spill, one head a chunk)
+    # Qwen2.5-7B's 7; a group of 6; a window too long for one head (then the kernels spill, one head a chunk)
     assert query_head_chunks(g, w, D) == chunks
 
 
