@@ -156,10 +156,6 @@ def _collector(registry: CollectorRegistry, cls, name: str, doc: str, labelnames
         if not isinstance(existing, cls):
             raise ValueError(f"{name} is already registered as a {type(existing).__name__}, not a {cls.__name__}")
         return existing
-    if cls is EngineRates:
-        collector = cls(name, doc, **kwargs)
-        registry.register(collector)
-        return collector
     return cls(name, doc, labelnames, registry=registry, **kwargs)
 
 
@@ -167,18 +163,20 @@ class EngineRates:
     """A gauge family computed at each scrape: events per second over a sliding window, one series per
     engine (label `engine`, as vLLM labels its own metrics)."""
 
-    def __init__(self, name: str, doc: str, window_s: float = 10.0):
-        self.name, self.doc, self.window_s = name, doc, window_s
+    def __init__(self, name: str, doc: str, labelnames=("engine",), registry: CollectorRegistry = REGISTRY,
+                 window_s: float = 10.0):
+        self.name, self.doc, self.window_s, self.labelnames = name, doc, window_s, list(labelnames)
         self.rates: dict[int, SlidingWindowRate] = {}
+        registry.register(self)
 
     def of(self, engine: int) -> SlidingWindowRate:
         return self.rates.setdefault(engine, SlidingWindowRate(self.window_s))
 
     def describe(self):
-        return [GaugeMetricFamily(self.name, self.doc, labels=["engine"])]
+        return [GaugeMetricFamily(self.name, self.doc, labels=self.labelnames)]
 
     def collect(self):
-        family = GaugeMetricFamily(self.name, self.doc, labels=["engine"])
+        family = GaugeMetricFamily(self.name, self.doc, labels=self.labelnames)
         for engine, rate in sorted(self.rates.items()):
             family.add_metric([str(engine)], rate.rate())
         yield family
@@ -232,7 +230,7 @@ class EvictMetrics:
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.decode_tps = _collector(r, EngineRates, p + "decode_throughput_tokens_per_second",
                                      f"Generated tokens per second over a sliding {throughput_window_s:g} s "
-                                     "window.", window_s=throughput_window_s)
+                                     "window.", ["engine"], window_s=throughput_window_s)
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
         self.tpot = histogram("time_per_output_token_seconds", "Mean time per output token after the first, per "
                               "finished request.", TPOT_BUCKETS)

@@ -204,6 +204,13 @@ class CompactionSchedule:
         following = self.point(index + 1)
         return written, written > kept and (following is None or following.decode)
 
+    def held_after(self, index: int, spread: int = 1) -> int:
+        """Tokens per head in-place point `index` leaves the request holding physically, before any trim: its
+        kept tokens, or the blocks it wrote over where they are more (written_blocks)."""
+        point, bs = self.point(index), self.page_size
+        written = self.written_blocks(index, spread)[0]
+        return point.kept if written == -(-point.kept // bs) else written * bs
+
     def peak_blocks(self, num_tokens: int, fresh_blocks: int, spread: int = 1) -> int:
         """The most blocks the request holds when it runs alone to `num_tokens` (prompt + max_tokens): at each
         point before it compacts (a one-shot point also holds its F fresh blocks there), and at the end. Under
@@ -213,11 +220,7 @@ class CompactionSchedule:
         while (point := self.point(index)) is not None and point.at < num_tokens:
             peak = max(peak, -(-(physical + point.at - at) // bs) + (0 if point.in_place else fresh_blocks))
             at = point.at
-            if point.in_place:
-                written = self.written_blocks(index, spread)[0]
-                physical = point.kept if written == -(-point.kept // bs) else written * bs
-            else:
-                physical = fresh_blocks * bs
+            physical = self.held_after(index, spread) if point.in_place else fresh_blocks * bs
             index += 1
         return max(peak, -(-(physical + num_tokens - at) // bs))
 

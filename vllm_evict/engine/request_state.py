@@ -94,10 +94,11 @@ class WorkerEviction(FollowsSchedule):
         point = self.point
         if point.in_place:  # its layout now spans the blocks it wrote (F' of them once trimmed: set already)
             written, trims = self.schedule.written_blocks(self.done, self.spread)
-            if not trims:
+            if trims:
+                self.shift = point.at - self.blocks * self.page_size
+            else:
                 self.blocks = written
-            whole = written == -(-point.kept // self.page_size)
-            self.shift = point.at - (point.kept if whole else self.blocks * self.page_size)
+                self.shift = point.at - self.schedule.held_after(self.done, self.spread)
         else:
             self.shift = point.at - self.blocks * self.page_size
         if point.evicts and not self.stock_layout:  # a new per-head layout (stacked by `kept_most`): new tables

@@ -265,7 +265,7 @@ class EvictionKVCacheManager(KVCacheManager):
         if point.in_place:  # the first blocks it writes (request_config.CompactionSchedule.written_blocks)
             count, trims = ev.schedule.written_blocks(ev.done, ev.spread)
             kept, freed = blocks[:count], blocks[count:]
-            ev.removed = point.at - (point.kept if count == -(-point.kept // self.page_size) else count * self.page_size)
+            ev.removed = point.at - ev.schedule.held_after(ev.done, ev.spread)
         else:
             count, trims = ev.blocks, ev.blocks > ev.pages
             kept, freed = blocks[-ev.blocks:], blocks[: -ev.blocks]
