@@ -199,6 +199,8 @@ def engine_profile(args, out_dir: Path) -> None:
     allocations = args.allocation.split(",")
     evictions = [{"policy": args.policy, "budget": budget, "allocation": a} for a in allocations]
     ev = evictions[0]
+    if args.mixed_prefill:
+        return mixed_prefill_profile(args, engine, sched, add, table, ev, out_dir)
     if args.prefill_only:
         return prefill_profile(args, engine, add, table, ev, out_dir)
     if args.decode_budget:
@@ -369,6 +371,44 @@ def prefill_profile(args, engine, add, table, ev, out_dir):
         print(f"### prefill {label} {args.batch} x {args.prompt_len}: {wall:.3f} s (profiled)", flush=True)
 
 
+def mixed_prefill_profile(args, engine, sched, add, table, ev, out_dir):
+    """The prefill phase of a serving run: B prompts submitted at once, each generating --max-tokens, so
+    that the steps prefilling the later prompts also decode the earlier ones (one row each). Three passes
+    until every prompt is prefilled: prefill-only (max_tokens=1, no decode rows: the physical limit's
+    pass), mixed plain, mixed evicting; wall time, then a profile of each."""
+    passes = (("prefill-only", None, 1), ("mixed-plain", None, args.max_tokens), ("mixed-evict", ev, args.max_tokens))
+
+    def run(eviction, max_tokens):
+        for i in range(args.batch):
+            add(i, args.prompt_len, max_tokens, eviction)
+        torch.cuda.synchronize()
+        t0, steps = time.perf_counter(), 0
+        while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
+            engine.step()
+            steps += 1
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        for r in list(sched.running):
+            engine.abort_request([r.request_id])
+        while engine.has_unfinished_requests():
+            engine.step()
+        return wall, steps
+
+    for eviction in (None, ev):  # warm-up: Triton compiles stay out
+        add(0, args.prompt_len, 2, eviction)
+        while engine.has_unfinished_requests():
+            engine.step()
+    for label, eviction, max_tokens in passes:
+        wall, steps = run(eviction, max_tokens)
+        print(json.dumps({"pass": label, "batch": args.batch, "prompt_len": args.prompt_len, "steps": steps,
+                          "wall_s": round(wall, 3), "profiled": False}), flush=True)
+    for label, eviction, max_tokens in passes:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            wall, steps = run(eviction, max_tokens)
+        print(json.dumps({"pass": label, "steps": steps, "wall_s": round(wall, 3), "profiled": True}), flush=True)
+        table(prof, f"{label} {args.batch} x {args.prompt_len}", out_dir / f"profile_{label}.txt")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
@@ -381,6 +421,9 @@ def main():
     ap.add_argument("--shared-prefix", action="store_true")
     ap.add_argument("--evicted-only", action="store_true")
     ap.add_argument("--prefill-only", action="store_true", help="profile prefill passes, plain vs evicting")
+    ap.add_argument("--mixed-prefill", action="store_true",
+                    help="the prefill phase of a serving run (later prompts next to earlier ones' decode rows) "
+                         "against a prefill-only pass, plain and evicting")
     ap.add_argument("--policy", default="dropkv", help="--decode-budget: several, joined by commas")
     ap.add_argument("--allocation", default="uniform", help="uniform, adakv, or both joined by a comma (one variant each)")
     ap.add_argument("--decode-budget", action="store_true",
@@ -402,7 +445,7 @@ def main():
                   [f"{args.batch}:{args.kv_len}"]]
         attention_splits(shapes, args.spreads, args.num_splits, tuple(args.orders))
         return
-    if not (args.prefill_only or args.decode_budget):
+    if not (args.prefill_only or args.decode_budget or args.mixed_prefill):
         print(attention_alone(args.batch, args.kv_len), flush=True)
     engine_profile(args, out_dir)
 
