@@ -735,11 +735,11 @@ BLOCKWISE_POOL = ["--kv-cache-memory-bytes", str(8 << 30), "--memory-lengths", "
 HYBRID_32K = ["--prompt-len", "32768", "--max-tokens", "4096", "--max-model-len", "36864", "--max-num-seqs", "1024"]
 
 
-def _no_eviction_plan(num_requests: int, extra: tuple[str, ...] = ()) -> list[tuple]:
+def _no_eviction_plan(num_requests: int, extra: tuple[str, ...] = (), seconds: int = 300) -> list[tuple]:
     """The no-eviction tax: N x 16K in / 512 out without eviction, vanilla against the plugin's engine."""
     load = ["--prompt-len", "16384", "--max-tokens", "512", "--num-requests", str(num_requests),
             "--max-model-len", "16896", *extra]
-    return [("vanilla", "load", load, 300), ("evict", "load", load + ["--policy", "none"], 300)]
+    return [("vanilla", "load", load, seconds), ("evict", "load", load + ["--policy", "none"], seconds)]
 
 
 def _hybrid_plan(vanilla_requests: int, shape: str, seconds: int) -> list[tuple]:
@@ -867,7 +867,7 @@ PLANS = {
                                               480)],
     "no-eviction-gpt-oss-20b": _no_eviction_plan(64),
     "no-eviction-gemma-3-12b": _no_eviction_plan(32),
-    "no-eviction-qwen3-next": _no_eviction_plan(64, ("--no-prefix-caching",)),
+    "no-eviction-qwen3-next": _no_eviction_plan(64, ("--no-prefix-caching",), 420),  # the evict engine starts in ~300 s
 }
 # the model config a plan runs (vllm_evict.testing.tiny_models.REAL_CONFIGS; default Llama-3.1-8B)
 PLAN_MODELS = {"hybrid-gpt-oss-20b": "gpt-oss-20b", "hybrid-gemma-3-12b": "gemma-3-12b",
