@@ -594,8 +594,8 @@ def suite_prefill(args, drv: Driver, deadline: float) -> dict:
 
 def suite_memory(args, drv: Driver, deadline: float) -> dict:
     """Memory-bounded prefill: one request at a time per prompt length (--memory-lengths,
-    max_tokens=1), for no eviction, one-shot KeyDiff and block-wise KeyDiff (--chunk-size) at
-    --memory-budget tokens per head (vanilla: no eviction only). Each row has the prefill time, the most KV
+    max_tokens=1), for no eviction, one-shot and block-wise (--chunk-size, more fields from
+    --eviction-options) --memory-policy at --memory-budget tokens per head (vanilla: no eviction only). Each row has the prefill time, the most KV
     blocks the request held (read after every block allocation of the manager, so a compaction step's
     peak counts) and how it ended: a prompt the engine cannot serve is rejected or ends with an error,
     which gives the longest prompt servable on the engine's KV pool."""
@@ -612,8 +612,8 @@ def suite_memory(args, drv: Driver, deadline: float) -> dict:
     manager.allocate_slots = allocate_and_record  # this engine's manager only
     modes = [None]
     if args.engine == "evict":
-        one_shot = {"policy": "keydiff", "budget": args.memory_budget}
-        modes += [one_shot, {**one_shot, "chunked": True, "chunk_size": args.chunk_size}]
+        one_shot = {"policy": args.memory_policy, "budget": args.memory_budget}
+        modes += [one_shot, {**one_shot, "chunked": True, "chunk_size": args.chunk_size, **args.eviction_options}]
     rows = []
     for length in args.memory_lengths:
         for eviction in modes:
@@ -838,7 +838,14 @@ PLANS = {
     "blockwise-memory-64k-pool": [
         ("vanilla", "memory", BLOCKWISE_POOL + ["--max-model-len", "65536"], 150),
         ("evict", "memory", BLOCKWISE_POOL + ["--max-model-len", "131072", "--allow-long-prompts",
-                                              "--memory-budget", "16384", "--chunk-size", "512"], 380)],
+                                              "--memory-budget", "16384", "--chunk-size", "512",
+                                              "--eviction-options", '{"chunk_budget": 16384}'], 380)],
+    # block-wise SnapKV at 10% of 32K with its default cuts (expected attention at 4x the budget) against one-shot
+    # SnapKV and vanilla: prefill time and peak blocks, one request at a time
+    "blockwise-two-stage-32k": [
+        ("vanilla", "memory", ["--max-model-len", "33024", "--memory-lengths", "32768"], 150),
+        ("evict", "memory", ["--max-model-len", "33024", "--memory-lengths", "32768", "--memory-policy", "snapkv",
+                             "--memory-budget", "3277", "--chunk-size", "512"], 240)],
     # the most concurrent 64K requests on the whole GPU, block-wise KeyDiff at 0.25 in 512-token chunks
     "blockwise-capacity-64k": [
         ("vanilla", "capacity", ["--prompt-len", "65536", "--max-tokens", "4096", "--num-requests", "12",
@@ -1036,7 +1043,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--allow-long-prompts", action="store_true", help="evict engine: --max-model-len may exceed the pool")
     o.add_argument("--memory-lengths", nargs="+", type=int, default=[32768, 65536, 131072])
     o.add_argument("--memory-budget", type=int, default=16384, help="tokens per head (suite memory)")
-    o.add_argument("--chunk-size", type=int, default=512, help="block-wise KeyDiff chunk (suite memory)")
+    o.add_argument("--memory-policy", default="keydiff", help="suite memory: the policy, one-shot and block-wise")
+    o.add_argument("--chunk-size", type=int, default=512, help="block-wise chunk (suite memory)")
     o.add_argument("--time-limit", type=float, default=540)
     o.add_argument("--seed", type=int, default=0)
     return ap

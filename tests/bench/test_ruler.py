@@ -269,3 +269,10 @@ def test_policy_overrides():
         n_context = 100
 
     assert settings[0].eviction(_S()) == {"policy": "snapkv", "budget": 0.2, "allocation": "uniform", "window": 8}
+    chunked = make_settings(EvalConfig(policies=["snapkv:chunked=true,chunk_budget=1x", "snapkv:chunked=true,"
+                                                 "chunk_budget=6x,chunk_policy=knorm"], budgets=[0.2],
+                                       variants=["aware"], allocations=["uniform"]))
+    assert [setting.eviction(_S()) for setting in chunked] == [
+        {"policy": "snapkv", "budget": 0.2, "allocation": "uniform", "chunked": True, "chunk_budget": 0.2},
+        {"policy": "snapkv", "budget": 0.2, "allocation": "uniform", "chunked": True, "chunk_budget": 1.0,
+         "chunk_policy": "knorm"}]

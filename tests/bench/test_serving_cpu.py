@@ -64,12 +64,12 @@ def test_latency_suite_rows(tmp_path):
 
 def test_memory_suite_rows(tmp_path):
     """Suite memory (memory-bounded prefill) on a 48-block pool with --max-model-len beyond it: peak blocks per mode, and a
-    1500-token prompt that only block-wise eviction serves."""
+    1500-token prompt that only block-wise eviction serves (one budget for every cut: the bound is P and a chunk)."""
     out = tmp_path / "memory.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serving.py"), "one", "--out", str(out), "--engine", "evict",
            "--suite", "memory", "--kv-cache-memory-bytes", str(3072 * 768), "--max-model-len", "2048",
            "--allow-long-prompts", "--memory-lengths", "512", "1500", "--memory-budget", "128", "--chunk-size", "64",
-           "--max-num-batched-tokens", "512", "--time-limit", "240"]
+           "--max-num-batched-tokens", "512", "--time-limit", "240", "--eviction-options", '{"chunk_budget": 128}']
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads(out.read_text())

@@ -17,11 +17,11 @@ pytestmark = pytest.mark.engine
 
 PAGE = 16
 POOL = 160           # blocks (2560 tokens)
-CASES = [{"budget": 64, "chunk_size": 32},
-         {"budget": 0.25, "chunk_size": 100},        # rounded up to 112 tokens (whole pages)
-         {"budget": 0.1},                            # the default chunk, 128
-         {"budget": 200, "window": 8, "chunk_size": 64},  # a protected recent window
-         {"budget": 0.5, "chunk_size": 256}]         # one chunk = vLLM's whole token budget
+CASES = [{"budget": 64, "chunk_size": 32},           # cuts before the last at the default 4 x 64 tokens
+         {"budget": 0.25, "chunk_size": 100, "chunk_budget": 0.25},  # 112-token chunks (whole pages); one budget
+         {"budget": 0.1},                            # the default chunk, 128, and chunk budget, 0.4
+         {"budget": 200, "window": 8, "chunk_size": 64, "chunk_budget": 300},  # a protected recent window
+         {"budget": 0.5, "chunk_size": 256, "chunk_budget": 0.6}]  # one chunk = vLLM's whole token budget
 
 
 def chunked(case: dict) -> dict:
@@ -42,14 +42,13 @@ def spec_of(case: dict):
     return parse_request({"vllm_evict": chunked(case)})
 
 
-def plan_of(case: dict, prompt_len: int) -> tuple[int, int, list[int]]:
-    """(P, chunk tokens, eviction points) of a chunked case."""
-    from vllm_evict.engine.request_config import eviction_points
+def plan_of(case: dict, prompt_len: int) -> tuple[int, int, list[int], int]:
+    """(P, chunk tokens, eviction points, P_c: the pages the cuts before the last keep) of a chunked case."""
+    from vllm_evict.engine.request_config import CompactionSchedule
 
-    spec = spec_of(case)
-    pages = spec.config.num_pages(prompt_len, PAGE)
-    chunk = spec.chunk_tokens(PAGE)
-    return pages, chunk, eviction_points(prompt_len, pages, PAGE, chunk)
+    schedule = CompactionSchedule(spec_of(case), prompt_len, PAGE)
+    points = [schedule.point(c).at for c in range(schedule.prompt_points)]
+    return schedule.pages, schedule.chunk, points, schedule.chunk_pages
 
 
 def test_chunked_keydiff_matches_the_chunked_reference_in_a_mixed_batch(engine, reference):
@@ -65,14 +64,15 @@ def test_chunked_keydiff_matches_the_chunked_reference_in_a_mixed_batch(engine, 
     check_against_reference(outputs[-1], full, "no eviction (last)")
     differs_from_one_shot = 0
     for case, out in zip(CASES, outputs[1:-1]):
-        pages, chunk, points = plan_of(case, len(prompt))
+        pages, chunk, points, chunk_pages = plan_of(case, len(prompt))
         expected = reference.replay(prompt, MAX_TOKENS, spec_of(case), page_size=PAGE)
         check_against_reference(out, expected, f"chunked {case}")
         assert expected.kept_per_layer[0] == [pages * PAGE + MAX_TOKENS - 1] * len(expected.kept_per_layer[0])  # + decode
         report = out.kv_transfer_params["vllm_evict"]
         assert report["compactions"] == len(points) and len(points) > 1, (case, report)
         assert report["chunk_size"] == chunk and report["pages_per_head"] == pages
-        assert report["blocks_before"] <= pages + chunk // PAGE, (case, report)
+        assert report["chunk_pages_per_head"] == chunk_pages >= pages
+        assert report["blocks_before"] <= chunk_pages + chunk // PAGE, (case, report)
         one_shot = reference.generate(prompt, MAX_TOKENS, EvictionConfig.from_dict(
             {"policy": "keydiff", "budget": case["budget"], **({"window": case["window"]} if "window" in case else {})}),
             page_size=PAGE)
@@ -116,8 +116,8 @@ def test_blocks_held_never_exceed_the_budget_plus_a_chunk_and_prompts_beyond_the
         preempted.append(request.request_id)
         return original_preempt(request, timestamp)
 
-    case = {"budget": 128, "chunk_size": 64}
-    pages, chunk, points = plan_of(case, 1200)
+    case = {"budget": 128, "chunk_size": 64, "chunk_budget": 160}
+    _, chunk, points, pages = plan_of(case, 1200)  # the bound: P_c pages and a chunk
     seen = {"compacting": False, "aborted": False}
 
     def check_blocks():

@@ -57,13 +57,54 @@ def test_adakv_in_place_points_write_what_one_rank_can_win_under_tensor_parallel
     assert [decode.schedule.written_blocks(c, 2) for c in range(3)] == [(8, True), (6, True), (6, True)]
     assert [decode.schedule.written_blocks(c, 1) for c in range(2)] == [(4, False), (4, False)]
     # block-wise at 192 tokens in 64-token chunks: points 256, 320, .., 576 (each 12 pages held + 64), then E
-    chunked = schedule({"budget": 192, "chunked": True, "chunk_size": 64}, 4)
+    one_stage = {"budget": 192, "chunked": True, "chunk_size": 64, "chunk_budget": 192, "chunk_policy": "snapkv"}
+    chunked = schedule(one_stage, 4)
     points = [chunked.schedule.point(c) for c in range(chunked.schedule.prompt_points)]
     assert [p.at for p in points] == [256, 320, 384, 448, 512, 576, 600]
     written = [chunked.schedule.written_blocks(c, 4) for c in range(len(points))]
     assert written[:-1] == [(16, False)] + [(16, False)] * 5 and written[-1] == (14, True)
-    at_tp1 = schedule({"budget": 192, "chunked": True, "chunk_size": 64}, 1)
+    at_tp1 = schedule(one_stage, 1)
     assert at_tp1.spread == 1 and at_tp1.peak < chunked.peak
     uniform = plan_eviction(parse_request({"vllm_evict": {"policy": "snapkv", "decode_budget": 64}}), 600, 16,
                             head_groups=2)
     assert uniform.spread == 1 and uniform.schedule.written_blocks(0, uniform.spread) == (4, False)
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"policy": "snapkv", "budget": 0.1, "chunk_budget": 0.4}, "chunk_budget=0.4 needs chunked=true"),
+    ({"policy": "snapkv", "budget": 0.1, "chunk_policy": "knorm"}, "chunk_policy='knorm' needs chunked=true"),
+    ({"policy": "snapkv", "budget": 0.2, "chunked": True, "chunk_budget": 0.1}, "must be at least budget=0.2"),
+    ({"policy": "snapkv", "budget": 64, "chunked": True, "chunk_budget": 32}, "must be at least budget=64"),
+    ({"policy": "snapkv", "budget": 0.1, "chunked": True, "chunk_budget": 1.5}, "budget must be"),
+    ({"policy": "snapkv", "budget": 0.1, "chunked": True, "chunk_policy": "nope"}, "unknown eviction policy"),
+    ({"policy": "keydiff", "budget": 0.1, "chunked": True, "chunk_policy": "expected-attention"},
+     "reads window queries, and policy 'keydiff' keeps none"),
+])
+def test_bad_chunk_fields_are_refused(fields, match):
+    with pytest.raises(ValueError, match=match):
+        parse_request({"vllm_evict": fields})
+
+
+def test_two_stage_block_wise_schedule():
+    """Block-wise cuts before the last keep P_c pages scored by the chunk policy (a question-agnostic one by
+    default for query-based policies, at 4x the budget); the cut at the prompt's end keeps P with the
+    request's policy. Flat keys and the nested form agree."""
+    from vllm_evict.engine.request_config import CompactionSchedule
+
+    spec = parse_request({"eviction_policy": "snapkv", "eviction_budget": "0.1", "eviction_chunked": "true",
+                          "eviction_chunk_size": "128"})
+    schedule = CompactionSchedule(spec, 2000, 16)
+    points = [schedule.point(c) for c in range(schedule.prompt_points)]
+    assert (schedule.pages, schedule.chunk_pages) == (13, 50)  # 200 and 800 tokens of 2,000
+    assert [p.at for p in points] == [896, 1024, 1152, 1280, 1408, 1536, 1664, 1792, 1920, 2000]
+    assert {p.config.policy for p in points[:-1]} == {"expected-attention"} and points[-1].config.policy == "snapkv"
+    assert {p.kept for p in points[:-1]} == {800} and points[-1].kept == 208
+    assert points[-1].held == 800 + 2000 - 1920
+    flat = parse_request({"eviction_policy": "snapkv", "eviction_budget": "0.1", "eviction_chunked": "1",
+                          "eviction_chunk_policy": "knorm", "eviction_chunk_budget": "0.3"})
+    assert flat == parse_request({"vllm_evict": flat.to_dict()})
+    assert (flat.chunk_policy, flat.chunk_budget, flat.chunk_config().window_size()) == ("knorm", 0.3, 32)
+    one_stage = parse_request({"vllm_evict": {"policy": "keydiff", "budget": 0.1, "chunked": True,
+                                              "chunk_budget": 0.1}})
+    assert one_stage.chunk_config().policy == "keydiff"
+    assert CompactionSchedule(one_stage, 2000, 16).chunk_pages == 13

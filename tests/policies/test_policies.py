@@ -86,12 +86,12 @@ def test_custom_scale_is_used():
 def test_registry_names_and_defaults():
     assert set(POLICIES) == {
         "snapkv", "dropkv", "keydiff", "obcache-value", "obcache-key", "obcache-joint",
-        "caote", "fastcaote", "streaming", "tova", "h2o", "knorm", "random",
+        "caote", "fastcaote", "streaming", "tova", "h2o", "knorm", "random", "expected-attention",
     }
     table = {  # DESIGN.md §4: (w, kappa, sink)
         "snapkv": (32, 7, 0), "dropkv": (8, 11, 0), "keydiff": (0, 1, 0), "obcache-value": (32, 7, 0),
         "obcache-key": (32, 7, 0), "obcache-joint": (32, 7, 0), "streaming": (0, 1, 4), "tova": (1, 1, 0),
-        "h2o": (32, 1, 0), "knorm": (0, 1, 0), "random": (0, 1, 0),
+        "h2o": (32, 1, 0), "knorm": (0, 1, 0), "random": (0, 1, 0), "expected-attention": (32, 1, 4),
     }
     for name, (w, kappa, sink) in table.items():
         p = get_policy(name)
@@ -332,3 +332,67 @@ def test_random_scores_are_the_spec_hash_of_where_each_token_sits():
     plain = score_tokens("random", None, keys, keys)
     assert plain[1, 2] == h(h(h(h(h(2) ^ 0) ^ 1) ^ 0) ^ 0) / 2**32
     assert select_tokens(plain, 2, page_size=2).sum(dim=1).tolist() == [2, 2]
+
+
+# ---------------------------------------------------------------- expected attention (DESIGN.md §4.9)
+def literal_expected_attention(q, k, v, scale, rotation, gqa="mean"):
+    """The paper's closed form in float64 with explicit covariance matrices: per query head, mu and the
+    biased covariance of the window rows, moved by `rotation`; softmax over keys of
+    s mu'.k + s^2/2 k^T Sigma' k; the group's mean (or max); times ||v||."""
+    q, k, v, r = q.double(), k.double(), v.double(), rotation.double()
+    w, h_q, d = q.shape
+    n, h_kv, _ = k.shape
+    g = h_q // h_kv
+    out = torch.zeros(h_kv, n, dtype=torch.float64)
+    for i in range(h_kv):
+        per_head = []
+        for hh in range(i * g, (i + 1) * g):
+            mu = q[:, hh].mean(0)
+            cov = sum(torch.outer(q[t, hh] - mu, q[t, hh] - mu) for t in range(w)) / w
+            mu, cov = r @ mu, r @ cov @ r.T
+            z = torch.stack([scale * mu @ k[j, i] + scale ** 2 / 2 * k[j, i] @ cov @ k[j, i] for j in range(n)])
+            per_head.append(torch.softmax(z, dim=0))
+        stack = torch.stack(per_head)
+        out[i] = (stack.mean(0) if gqa == "mean" else stack.amax(0)) * v[:, i].norm(dim=-1)
+    return out
+
+
+@pytest.mark.parametrize("gqa", ["mean", "max"])
+@pytest.mark.parametrize("rotated", [False, True])
+def test_expected_attention_matches_closed_form(gqa, rotated):
+    from vllm_evict.policies.expected_attention import mean_rotation
+
+    q, k, v = random_qkv(n=40, w=6, h_kv=2, g=3, d=8, seed=5)
+    scale = 1 / math.sqrt(8)
+    gen = torch.Generator().manual_seed(6)
+    angles = torch.rand(50, 4, generator=gen, dtype=torch.float64) * 6
+    rotation = mean_rotation(angles.cos(), angles.sin(), 8, neox=True) if rotated else torch.eye(8)
+    got = score_tokens("expected-attention", q, k, v, scale=scale, gqa=gqa, window=6, sink=0,
+                       future_rotation=rotation if rotated else None)
+    want = literal_expected_attention(q, k, v, scale, rotation, gqa).float()
+    assert torch.isposinf(got[:, -6:]).all()
+    torch.testing.assert_close(got[:, :-6], want[:, :-6], rtol=1e-5, atol=1e-8)
+    if rotated:  # the rotation changes the scores
+        unrotated = score_tokens("expected-attention", q, k, v, scale=scale, gqa=gqa, window=6, sink=0)
+        assert not torch.allclose(got[:, :-6], unrotated[:, :-6])
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_mean_rotation_is_the_mean_of_rope_moves(neox):
+    """R q equals the mean over offsets of q moved by RoPE, written as complex multiplication of each
+    rotated pair (partial rotary: the last dimensions unrotated)."""
+    from vllm_evict.policies.expected_attention import mean_rotation
+
+    head_dim, rotary_dim, offsets = 10, 8, torch.arange(1, 33, dtype=torch.float64)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    angles = offsets[:, None] * inv_freq[None, :]                                  # [32, 4]
+    q = torch.randn(head_dim, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    half = rotary_dim // 2
+    first, second = (torch.arange(half), torch.arange(half) + half) if neox else \
+        (torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2))
+    moved = torch.zeros(len(offsets), head_dim, dtype=torch.float64)
+    pairs = torch.complex(q[first], q[second]) * torch.exp(1j * angles)
+    moved[:, first], moved[:, second] = pairs.real, pairs.imag
+    moved[:, rotary_dim:] = q[rotary_dim:]
+    rotation = mean_rotation(angles.cos(), angles.sin(), head_dim, neox=neox)
+    torch.testing.assert_close(rotation.double() @ q, moved.mean(0), rtol=1e-6, atol=1e-6)

@@ -51,8 +51,9 @@ UNIFORM_ONLY = tuple(name for name, policy in POLICIES.items() if not policy.sup
 def parse_policy(name: str) -> tuple[str, dict[str, Any]]:
     """``"snapkv:window=8,pool_kernel=11"`` -> ``("snapkv", {"window": 8, "pool_kernel": 11})``.
 
-    Options are DESIGN.md §6 request fields (window, pool_kernel, sink, gqa, alpha, caote_base, chunked);
-    values are parsed as int, float, true/false, else kept as strings.
+    Options are DESIGN.md §6 request fields (window, pool_kernel, sink, gqa, alpha, caote_base, chunked, and
+    the block-wise chunk_size, chunk_policy, chunk_budget: "2x" is twice each setting's budget); values are
+    parsed as int, float, true/false, else kept as strings.
     """
     base, _, opts = name.partition(":")
     options: dict[str, Any] = {}
@@ -189,6 +190,9 @@ class Setting:
         base, options = parse_policy(self.policy)
         spec: dict[str, Any] = {"policy": base, "budget": float(self.budget), "allocation": self.allocation}
         spec.update(options)
+        chunk_budget = spec.get("chunk_budget")
+        if isinstance(chunk_budget, str) and chunk_budget.endswith("x"):  # a multiple of the setting's budget
+            spec["chunk_budget"] = min(1.0, float(chunk_budget[:-1]) * float(self.budget))
         if self.variant == "agnostic":
             spec["evict_at"] = sample.n_context
         return spec

@@ -173,7 +173,7 @@ def batch_key(state) -> tuple | None:
     """Requests whose keys are equal (not None) at their next point can be compacted together
     (compact_requests): same policy and options, same point geometry. None: compacted alone (the policies
     that read where tokens sit, Ada-KV under TP's deferred layout, the kept-set dumps)."""
-    point, config = state.point, state.spec.config
+    point, config = state.point, state.point.config
     if POLICIES[config.policy].needs_context or state.deferred or DUMP_DIR:
         return None
     return (config, point.held, point.fixed, point.kept, point.pages, point.window, point.sink, point.in_place,
@@ -204,7 +204,7 @@ def compact_request(state, layers: list[tuple[int, object]], scale: float, promp
 
 
 def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], scale: float,
-                     heads: KVHeadGroup = KVHeadGroup()) -> torch.Tensor | None:
+                     heads: KVHeadGroup = KVHeadGroup(), rotation: torch.Tensor | None = None) -> torch.Tensor | None:
     """Score, select and move the tokens each request holds at its next compaction point (request_config.Point:
     its prompt up to E, or, evicting again, its kept pages and the tokens since) into their blocks, in every
     layer. Several requests (one batch_key) fold into the head axis next to the layers, so one scoring call,
@@ -215,18 +215,18 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     each group is gathered whole before it is written. A request already in per-head (Ada-KV) layout is
     gathered head by head: each head holds its own count (DESIGN.md §4.8 a), padded to the batch's largest.
     layers: (layer index, paged cache adapter) in layer order. heads: this rank's KV heads among the
-    layer's (tensor parallelism).
+    layer's (tensor parallelism). rotation: the model's mean RoPE move to future positions (expected attention).
     Fills each state.layers. Returns, for Ada-KV under TP (one request), the fresh blocks F' <= F that the
     fullest rank fills (a device scalar): the layout spans those, and the other F - F' are never written;
     else None."""
     state, cache = requests[0][0], layers[0][1]
-    point, config = state.point, state.spec.config
+    point, config = state.point, state.point.config
     fixed, R = point.fixed, len(requests)
     assert R == 1 or len({batch_key(s) for s, _, _ in requests} - {None}) == 1, "requests of one batch key"
     per_head = not state.stock_layout
     held = max(s.gathered_tokens for s, _, _ in requests)
     groups = layer_groups(layers, held * R, cache.num_heads, cache.head_dim, cache.gathered_itemsize)
-    options = {**config.score_options(), "window": point.window, "sink": point.sink}
+    options = {**config.score_options(), "window": point.window, "sink": point.sink, "future_rotation": rotation}
     # Ada-KV under TP: the layout spans the blocks of the fullest rank over all layers, known once every
     # layer is selected, so the groups are written after that (gathered again, all but the last).
     deferred = state.deferred

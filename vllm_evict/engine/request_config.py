@@ -10,13 +10,14 @@ many tokens each head holds there and after it, so the scheduler never waits for
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from vllm_evict.policies import EvictionConfig
+from vllm_evict.policies import EvictionConfig, check_budget, get_policy
 from vllm_evict.policies._validate import check_int
-from vllm_evict.policies.config import parse_bool_field, parse_int_field
+from vllm_evict.policies.config import parse_bool_field, parse_int_field, parse_number
 
 EXTRA_ARGS_KEY = "vllm_evict"
 # Written by the scheduler for the workers: [E, P, C, F, n] of a request that evicts (absent: it evicts
@@ -26,6 +27,10 @@ EXTRA_ARGS_KEY = "vllm_evict"
 PLAN_KEY = "vllm_evict_plan"
 DEFAULT_CHUNK_SIZE = 128  # DESIGN.md §4.3: the paper's block size
 DEFAULT_DECODE_EVERY = 128  # DESIGN.md §4.8 c
+# Block-wise cuts before the last (DESIGN.md §4.3 b): at this multiple of the budget, by a question-agnostic policy
+# (a key-only request policy is one already, and scores them itself)
+DEFAULT_CHUNK_POLICY = "expected-attention"
+DEFAULT_CHUNK_BUDGET_FACTOR = 4
 MAX_CHUNK_SIZE = 1 << 20
 # Engine-level default for requests that say nothing (e.g. `{"policy": "snapkv", "budget": 0.2}` as JSON).
 DEFAULT_ENV = "VLLM_EVICT_DEFAULT"
@@ -42,6 +47,9 @@ class RequestEviction:
     """What one request asked for. `evict_at` = tokens of the prompt prefix to compress (None = whole prompt):
     the rest of the prompt (e.g. a question) is prefilled after eviction and attends to the kept cache.
     `chunk_size` (only with chunked=true, DESIGN.md §4.3): prompt tokens per chunk of block-wise eviction.
+    `chunk_budget`, `chunk_policy` (only with chunked=true, DESIGN.md §4.3 b): the budget and policy of the
+    cuts before the last one (defaults: DEFAULT_CHUNK_BUDGET, DEFAULT_CHUNK_POLICY); the cut at the end of
+    the prompt applies the request's own policy and budget.
     `decode_budget` K_d, `decode_every` C_d, `protect_prompt` (DESIGN.md §4.8 c): evict again while decoding."""
 
     config: EvictionConfig
@@ -50,6 +58,20 @@ class RequestEviction:
     decode_budget: int | None = None
     decode_every: int | None = None
     protect_prompt: bool = False
+    chunk_budget: int | float | None = None
+    chunk_policy: str | None = None
+
+    def chunk_config(self) -> EvictionConfig:
+        """The config of block-wise cuts before the last (DESIGN.md §4.3 b): the request's, with the chunk
+        policy and budget; its window is the request's (the same window queries score both)."""
+        budget = self.chunk_budget if self.chunk_budget is not None else default_chunk_budget(self.config.budget)
+        policy = self.chunk_policy or (DEFAULT_CHUNK_POLICY if self.config.needs_queries() else self.config.policy)
+        window = self.config.window_size()
+        if get_policy(policy).needs_queries and not window:
+            raise ValueError(f"chunk_policy {policy!r} reads window queries, and policy {self.config.policy!r} "
+                             "keeps none: give the request a window (e.g. window=32)")
+        return dataclasses.replace(self.config, policy=policy, budget=budget,
+                                   window=window if window or self.config.window is not None else None)
 
     def decode_tokens(self, page_size: int) -> int:
         """C_d rounded up to whole pages; 0 without a decode budget."""
@@ -87,7 +109,17 @@ class RequestEviction:
             d["decode_every"] = self.decode_every
         if self.protect_prompt:
             d["protect_prompt"] = True
+        if self.chunk_budget is not None:
+            d["chunk_budget"] = self.chunk_budget
+        if self.chunk_policy is not None:
+            d["chunk_policy"] = self.chunk_policy
         return d
+
+
+def default_chunk_budget(budget: int | float) -> int | float:
+    """The budget of block-wise cuts before the last, unless the request names one (DESIGN.md §4.3 b)."""
+    return min(1.0, DEFAULT_CHUNK_BUDGET_FACTOR * budget) if isinstance(budget, float) else \
+        DEFAULT_CHUNK_BUDGET_FACTOR * budget
 
 
 def eviction_points(evict_at: int, pages: int, page_size: int, chunk: int) -> list[int]:
@@ -118,6 +150,8 @@ class Point:
     sink: int           # protected first candidates (those whose original position is < sink)
     decode: bool
     in_place: bool      # written into the request's own first blocks (else into F fresh ones: one-shot)
+    config: EvictionConfig  # what scores and selects there: the request's, or its chunk config (block-wise cuts
+                            # before the last)
 
     @property
     def evicts(self) -> bool:
@@ -136,16 +170,22 @@ class CompactionSchedule:
         self.pages = config.num_pages(self.evict_at, page_size)  # P, None: the prompt is not evicted
         self.chunk = spec.chunk_tokens(page_size) if self.pages else 0
         self.decode_every = spec.decode_tokens(page_size)
-        prompt_points = eviction_points(self.evict_at, self.pages, page_size, self.chunk) if self.pages else []
+        # block-wise cuts before the last keep P_c >= P pages, scored by the chunk config (DESIGN.md §4.3 b)
+        self.chunk_config = chunk_config = spec.chunk_config() if self.chunk else config
+        chunk_pages = chunk_config.num_pages(self.evict_at, page_size)  # None: those cuts would keep everything
+        self.chunk_pages = -(-self.evict_at // page_size) if chunk_pages is None else max(chunk_pages, self.pages or 0)
+        prompt_points = eviction_points(self.evict_at, self.chunk_pages, page_size, self.chunk) if self.pages else []
         self._points: list[Point] = []
         held = at = 0
         for index, point in enumerate(prompt_points):
             held += point - at
             at = point
-            self._points.append(Point(index, point, held, self.pages * page_size, 0, self.pages,
-                                      min(config.window_size(), held), config.sink_size(), decode=False,
-                                      in_place=self.chunk > 0))
-            held = self.pages * page_size
+            final = point == self.evict_at
+            point_config, pages = (config, self.pages) if final else (chunk_config, self.chunk_pages)
+            self._points.append(Point(index, point, held, pages * page_size, 0, pages,
+                                      min(point_config.window_size(), held), point_config.sink_size(),
+                                      decode=False, in_place=self.chunk > 0, config=point_config))
+            held = pages * page_size
         self.prompt_points = len(self._points)
         # tokens each head holds of the prompt once it is prefilled (the candidates exclude them under protect_prompt)
         self.prompt_held = held + num_prompt_tokens - at
@@ -184,7 +224,7 @@ class CompactionSchedule:
             kept = -(-fixed // bs) * bs + pages * bs
         else:
             kept = fixed + pages * bs
-        return Point(index, at, held, kept, fixed, pages, window, sink, decode=True, in_place=True)
+        return Point(index, at, held, kept, fixed, pages, window, sink, decode=True, in_place=True, config=config)
 
     def written_blocks(self, index: int, spread: int = 1) -> tuple[int, bool]:
         """Blocks in-place point `index` writes its kept pages into, and whether its layout may end short of
@@ -260,7 +300,8 @@ class FollowsSchedule:
 
 
 # Request fields the engine reads besides the policy's (EvictionConfig)
-ENGINE_FIELDS = ("evict_at", "chunk_size", "decode_budget", "decode_every", "protect_prompt")
+ENGINE_FIELDS = ("evict_at", "chunk_size", "chunk_budget", "chunk_policy", "decode_budget", "decode_every",
+                 "protect_prompt")
 
 
 def _token_count(spec: dict, name: str) -> int | None:
@@ -286,6 +327,12 @@ def _from_mapping(spec: Mapping[str, Any]) -> RequestEviction | None:
     if decode_budget is not None:
         decode_budget = check_int("decode_budget", decode_budget, minimum=1)  # >= page size: check_page_size
     decode_every = _token_count(spec, "decode_every")
+    chunk_budget = spec.pop("chunk_budget", None)
+    if chunk_budget is not None:
+        chunk_budget = check_budget(chunk_budget)
+    chunk_policy = spec.pop("chunk_policy", None)
+    if chunk_policy is not None:
+        get_policy(chunk_policy)
     protect_prompt = spec.pop("protect_prompt", False)
     if not isinstance(protect_prompt, bool):
         raise ValueError(f"protect_prompt must be a bool, got {protect_prompt!r}")
@@ -298,12 +345,20 @@ def _from_mapping(spec: Mapping[str, Any]) -> RequestEviction | None:
         # an Ada-KV prompt eviction leaves every head a different number of prompt tokens to protect
         raise ValueError("protect_prompt with allocation 'adakv' needs the prompt unevicted in this version "
                          "(omit budget, or use allocation 'uniform')")
-    if chunk_size is not None and not config.chunked:
-        raise ValueError(f"chunk_size={chunk_size} needs chunked=true (block-wise eviction)")
+    for name, value in (("chunk_size", chunk_size), ("chunk_budget", chunk_budget), ("chunk_policy", chunk_policy)):
+        if value is not None and not config.chunked:
+            raise ValueError(f"{name}={value!r} needs chunked=true (block-wise eviction)")
+    if chunk_budget is not None and type(chunk_budget) is type(config.budget) and chunk_budget < config.budget:
+        raise ValueError(f"chunk_budget={chunk_budget!r} must be at least budget={config.budget!r}: it bounds the "
+                         "cuts before the last one")
     if config.chunked and evict_at is not None:
         raise ValueError("chunked=true evicts block-wise over the whole prompt; it cannot be combined with "
                          f"evict_at={evict_at}")
-    return RequestEviction(config, evict_at, chunk_size, decode_budget, decode_every, protect_prompt)
+    spec = RequestEviction(config, evict_at, chunk_size, decode_budget, decode_every, protect_prompt, chunk_budget,
+                           chunk_policy)
+    if config.chunked and config.budget is not None:
+        spec.chunk_config()  # validated here, not at the request's first cut
+    return spec
 
 
 def flat_request(extra_args: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -315,7 +370,12 @@ def flat_request(extra_args: Mapping[str, Any] | None) -> dict[str, Any] | None:
     engine_fields = {name: flat.pop("eviction_" + name) for name in ENGINE_FIELDS if "eviction_" + name in flat}
     fields = EvictionConfig.flat_fields(flat)
     for name, value in engine_fields.items():  # typed like the config's fields; _from_mapping validates
-        fields[name] = parse_bool_field(name, value) if name == "protect_prompt" else parse_int_field(name, value)
+        if name == "protect_prompt":
+            fields[name] = parse_bool_field(name, value)
+        elif name == "chunk_budget":
+            fields[name] = parse_number(name, value)
+        else:
+            fields[name] = value if name == "chunk_policy" else parse_int_field(name, value)
     return fields
 
 

@@ -515,7 +515,9 @@ class _EvictionSchedulerMixin:
                 "blocks_before": ev.blocks_before,
                 "blocks_after": ev.held_after_prompt,
                 "blocks_freed": ev.blocks_before - ev.held_after_prompt,
-                **({"chunk_size": ev.chunk, "compactions": min(ev.done, schedule.prompt_points)} if ev.chunk else {}),
+                **({"chunk_size": ev.chunk, "compactions": min(ev.done, schedule.prompt_points),
+                    "chunk_policy": schedule.chunk_config.policy, "chunk_budget": schedule.chunk_config.budget,
+                    "chunk_pages_per_head": schedule.chunk_pages} if ev.chunk else {}),
             })
         if schedule.decode_every:
             report.update({

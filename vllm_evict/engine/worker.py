@@ -36,6 +36,7 @@ class WorkerEvictionState:
         self.num_sms = 0                         # the GPU's SMs (per_head.split_kv; 0: not CUDA)
         self.num_kv_heads = 0                    # this rank's KV heads per layer
         self.heads: KVHeadGroup | None = None    # this rank's KV heads (set with `layers`)
+        self.rotation: torch.Tensor | None = None  # expected attention's mean RoPE move (set with `layers`)
         self.windows = WindowStore(0)            # every request's window queries (one per runner)
         self.layers: tuple | None = None         # (runner, attention_layers), set by its first plan
         self.group = None                        # layout.EvictedGroup: the KV cache group compacted (None: none)
@@ -272,7 +273,7 @@ class WorkerEvictionState:
             started = self.latency.start(cache.device)
             try:
                 with torch.profiler.record_function("vllm_evict.compact"):  # a named range in torch profiles
-                    used = compact_one(batch, layers, scale, self.heads)
+                    used = compact_one(batch, layers, scale, self.heads, self.rotation)
                 if used is not None:
                     batch[0].used_blocks = HostCopy(used)
                 for state in batch:
@@ -298,6 +299,7 @@ class WorkerEvictionState:
             self.layers = (runner, layers, impls[0].impl.scale)
             self.windows = WindowStore(num_layers=layers[-1][0] + 1)
             self.heads = kv_head_group(runner)
+            self.rotation = future_rotation(runner.get_model(), impls[0].layer_name, layers[0][1].device)
             cache = layers[0][1]
             self.num_kv_heads = cache.num_heads
             self.num_sms = (torch.cuda.get_device_properties(cache.device).multi_processor_count
@@ -338,8 +340,28 @@ def shift_positions(runner, plan: StepPlan, group) -> None:
     tables.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], positions)
 
 
+def future_rotation(model, layer_name: str, device) -> torch.Tensor | None:
+    """expected_attention.mean_rotation over the FUTURE_POSITIONS offsets after a window query, from the RoPE
+    module beside an evicted attention layer (its cos/sin cache, YaRN's scale divided out), or None for a
+    model without one there. The full-attention layers of one model share their RoPE."""
+    from vllm_evict.policies.expected_attention import FUTURE_POSITIONS, mean_rotation
+
+    parent = layer_name.rsplit(".", 1)[0]
+    rope = getattr(model.get_submodule(parent), "rotary_emb", None) if parent else None
+    cache = getattr(rope, "cos_sin_cache", None)
+    if cache is None:
+        logger.info("vllm-evict: no RoPE module beside %s: expected-attention scores at the window's positions",
+                    layer_name)
+        return None
+    half = rope.rotary_dim // 2
+    cache = cache[: FUTURE_POSITIONS + 1].to(torch.float64)
+    norm = cache[0, :half]  # cos(0) times the cache's scale
+    return mean_rotation(cache[1:, :half] / norm, cache[1:, half:] / norm, rope.head_size,
+                         rope.is_neox_style).to(device)
+
+
 def compact_one(states: list[WorkerEviction], layers: list, scale: float,
-                heads: KVHeadGroup = KVHeadGroup()) -> torch.Tensor | None:
+                heads: KVHeadGroup = KVHeadGroup(), rotation: torch.Tensor | None = None) -> torch.Tensor | None:
     """compact_requests with the requests' block ids on the cache's device (one pinned copy, no sync)."""
     from vllm_evict.engine.per_head import host_to_device
 
@@ -349,7 +371,7 @@ def compact_one(states: list[WorkerEviction], layers: list, scale: float,
         read, written = len(state.prompt_block_ids), len(state.fresh_blocks)
         requests.append((state, ids[start: start + read], ids[start + read: start + read + written]))
         start += read + written
-    return compact_requests(requests, layers, scale, heads)
+    return compact_requests(requests, layers, scale, heads, rotation)
 
 
 def staged_queries() -> torch.Tensor:

@@ -15,7 +15,7 @@ from .registry import get_policy
 from .selection import keep_mask
 from .window import exact_fp32
 
-SCORE_OPTIONS = ("window", "pool_kernel", "sink", "gqa", "caote_base", "scale", "context")
+SCORE_OPTIONS = ("window", "pool_kernel", "sink", "gqa", "caote_base", "scale", "context", "future_rotation")
 
 
 def effective_policy(policy: str, caote_base: str = "snapkv") -> Policy:
@@ -51,6 +51,8 @@ def score_tokens(policy: str, q_window: torch.Tensor | None, keys: torch.Tensor,
       scale        softmax scale (default 1/sqrt(D)).
       context      random.TokenContext: the tokens' original positions, heads, layers, compaction
                    index and seed (`random` reads it; default: positions 0..n-1, heads 0..H-1, all zero).
+      future_rotation  [D, D]: the mean RoPE rotation to the positions the scores look ahead to
+                   (expected-attention reads it: expected_attention.mean_rotation; default None: none).
     """
     unknown = sorted(set(options) - set(SCORE_OPTIONS))
     if unknown:
@@ -99,7 +101,8 @@ def score_tokens(policy: str, q_window: torch.Tensor | None, keys: torch.Tensor,
 
     with exact_fp32(keys.device):
         out = pol.score(q, keys, values, window=w, pool_kernel=pool_kernel, sink=sink, gqa=gqa, scale=float(scale),
-                        caote_base=caote_base, context=options.get("context"), lengths=lengths)
+                        caote_base=caote_base, context=options.get("context"), lengths=lengths,
+                        future_rotation=options.get("future_rotation"))
     # random's 32-bit hash scores need float64 to stay distinct (DESIGN.md §4.8 e)
     return (out if out.dtype == torch.float64 else out.to(torch.float32)).contiguous()
 

@@ -106,7 +106,7 @@ class EvictionConfig:
         d: dict[str, Any] = {}
         for key, value in flat.items():
             if key in ("budget", "alpha"):
-                d[key] = _parse_number(key, value)
+                d[key] = parse_number(key, value)
             elif key in ("window", "pool_kernel", "sink", "seed"):
                 d[key] = parse_int_field(key, value)
             elif key == "chunked":
@@ -184,7 +184,7 @@ class EvictionConfig:
         return {"allocation": self.allocation, "alpha": self.alpha}
 
 
-def _parse_number(key: str, value: Any) -> Any:
+def parse_number(key: str, value: Any) -> Any:
     if isinstance(value, str):
         s = value.strip()
         if _INT_RE.match(s):
@@ -199,7 +199,7 @@ def _parse_number(key: str, value: Any) -> Any:
 def parse_int_field(key: str, value: Any) -> Any:
     """An integer field as a request may send it ("300", 300.0 -> 300); anything else is returned as is,
     for the field's own validation to reject."""
-    value = _parse_number(key, value)
+    value = parse_number(key, value)
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return value

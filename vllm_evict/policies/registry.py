@@ -5,6 +5,7 @@ from __future__ import annotations
 from .base import Policy
 from .caote import CAOTE, FastCAOTE
 from .dropkv import DropKV
+from .expected_attention import ExpectedAttention
 from .h2o import H2O
 from .keydiff import KeyDiff
 from .knorm import KNorm
@@ -18,7 +19,7 @@ POLICIES: dict[str, Policy] = {
     p.name: p
     for p in (
         SnapKV(), DropKV(), KeyDiff(), OBCacheValue(), OBCacheKey(), OBCacheJoint(),
-        CAOTE(), FastCAOTE(), Streaming(), TOVA(), H2O(), KNorm(), Random(),
+        CAOTE(), FastCAOTE(), Streaming(), TOVA(), H2O(), KNorm(), Random(), ExpectedAttention(),
     )
 }
 

@@ -105,6 +105,19 @@ class ReferenceDecoder:
         self.attends = [a is not None for a in attention]  # False: a linear-attention layer
         self.evicts = [a and w is None for a, w in zip(self.attends, self.windows)]
         assert all(a.scaling == self.scale for a in attention if a is not None), "one softmax scale for every layer"
+        self.rotation = self._future_rotation()
+
+    def _future_rotation(self) -> torch.Tensor | None:
+        """expected_attention.mean_rotation over the FUTURE_POSITIONS offsets, from the HF model's global RoPE
+        frequencies (rotate-half pairs), as the engine derives it from vLLM's own cos/sin cache."""
+        from vllm_evict.policies.expected_attention import FUTURE_POSITIONS, mean_rotation
+
+        inv_freq = getattr(getattr(self.model.model, "rotary_emb", None), "inv_freq", None)
+        if inv_freq is None:
+            return None
+        offsets = torch.arange(1, FUTURE_POSITIONS + 1, dtype=torch.float32)
+        angles = offsets[:, None] * inv_freq.float().cpu()[None, :]
+        return mean_rotation(angles.cos(), angles.sin(), self.head_dim, neox=True).to(self.device)
 
     def _forward(self, ids: list[int], start: int, callback, cache=None) -> tuple[torch.Tensor, object]:
         """The model over tokens `ids` at positions start..; attention by callback(layer, q [T, Hq, D],
@@ -200,7 +213,7 @@ class ReferenceDecoder:
                 scores = score_tokens(config.policy, q[E - w:] if w else q[:0], k, v, scale=self.scale,
                                       context=self._context(layer, torch.arange(E).expand(self.num_kv_heads, E),
                                                             0, config),
-                                      **config.score_options())
+                                      future_rotation=self.rotation, **config.score_options())
                 keep[layer] = select_tokens(scores, config.budget, page_size=page_size, **config.select_options())
         stores = self._layers_from(per_layer, keep)
         kept_per_layer = [store.counts() if store is not None else [] for store in stores]
@@ -223,14 +236,19 @@ class ReferenceDecoder:
         E = spec.eviction_point(n)
         pages = config.num_pages(E, page_size)
         chunk = spec.chunk_tokens(page_size) if pages else 0
+        # the cuts before the last keep their own budget (or nothing: no such cut), scored by the chunk config
+        chunk_config = spec.chunk_config() if chunk else None
+        chunk_pages = chunk_config.num_pages(E, page_size) if chunk else None
+        chunk_pages = None if chunk_pages is None else max(chunk_pages, pages)
         decode_every = spec.decode_tokens(page_size)
         stores = [LayerKV.empty(self.num_kv_heads, self.head_dim, self.device, self.model.dtype)
                   for _ in range(self.num_layers)]
         points, cache = 0, None
 
-        def forward(ids: list[int], start: int, point: str | None):
+        def forward(ids: list[int], start: int, point: str | None, point_config=config, point_pages=pages):
             """One forward of tokens ids at positions start.. (causal over what each layer holds), then
-            the compaction `point` ("prompt" / "decode") of every full-attention layer; the last logits."""
+            the compaction `point` ("prompt" / "decode") of every full-attention layer, scored by
+            `point_config` to `point_pages` pages (a prompt point); the last logits."""
             nonlocal points, cache
             pos = torch.arange(start, start + len(ids), device=self.device)
 
@@ -241,7 +259,7 @@ class ReferenceDecoder:
                 store.append(k, v, pos)
                 out = self._attend(layer, q, store, pos)
                 if point is not None and self.evicts[layer]:
-                    self._compact(layer, store, spec, point, points, pages, n, page_size)
+                    self._compact(layer, store, spec, point_config, point, points, point_pages, n, page_size)
                 return out
 
             logits, cache = self._forward(ids, start, attend, cache)
@@ -254,8 +272,12 @@ class ReferenceDecoder:
         elif chunk:
             for start in range(0, n, chunk):
                 end = min(start + chunk, n)
-                over = end > pages * page_size  # every chunk end past P pages (DESIGN.md §4.3)
-                logits = forward(prompt_ids[start:end], start, "prompt" if over else None)
+                if end == n:  # the last cut: the request's policy and budget
+                    logits = forward(prompt_ids[start:end], start, "prompt")
+                else:  # every chunk end past P_c pages (DESIGN.md §4.3)
+                    over = chunk_pages is not None and end > chunk_pages * page_size
+                    logits = forward(prompt_ids[start:end], start, "prompt" if over else None, chunk_config,
+                                     chunk_pages)
             done = n
         else:
             logits, done = forward(prompt_ids[:E], 0, "prompt"), E
@@ -283,11 +305,11 @@ class ReferenceDecoder:
         return TokenContext(positions=positions, heads=torch.arange(H), layers=torch.full((H,), layer),
                             compaction=index, seed=config.seed or 0)
 
-    def _compact(self, layer: int, store: LayerKV, spec, point: str, index: int, pages: int | None, n: int,
+    def _compact(self, layer: int, store: LayerKV, spec, config, point: str, index: int, pages: int | None, n: int,
                  page_size: int) -> None:
         """Compaction point `index` of one layer (DESIGN.md §4.8 a): each head keeps its best pages of its candidates
-        (under Ada-KV the heads may hold different counts: scored padded to the longest, with their lengths)."""
-        config = spec.config
+        (under Ada-KV the heads may hold different counts: scored padded to the longest, with their lengths),
+        scored and selected by `config` (the request's, or its chunk config)."""
         H = self.num_kv_heads
         keys, values, positions = store.keys, store.values, store.positions
         counts = store.counts()
@@ -312,6 +334,7 @@ class ReferenceDecoder:
         context = self._context(layer, cand, index, config)
         scores = score_tokens(config.policy, q_window, k_all[fixed:], v_all[fixed:], scale=self.scale,
                               **{**config.score_options(), "window": w, "sink": sink}, context=context,
+                              future_rotation=self.rotation,
                               lengths=None if lengths is None else lengths.to(k_all.device))
         if point == "decode":
             budget = spec.decode_budget
