@@ -61,8 +61,8 @@ def mean_rotation(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, neox: boo
     rotary_dim are not rotated), so that R q is the mean of a post-RoPE query moved by each offset."""
     half = cos.shape[-1]
     c, s = cos.to(torch.float64).mean(dim=0), sin.to(torch.float64).mean(dim=0)
-    rotation = torch.eye(head_dim, dtype=torch.float64)
-    j = torch.arange(half)
+    rotation = torch.eye(head_dim, dtype=torch.float64, device=c.device)
+    j = torch.arange(half, device=c.device)
     first, second = (j, j + half) if neox else (2 * j, 2 * j + 1)
     rotation[first, first], rotation[second, second] = c, c
     rotation[first, second], rotation[second, first] = -s, s
