@@ -98,15 +98,16 @@ def test_prompt_and_decode_eviction_in_one_request(engine, reference):
 
 def test_every_policy_evicts_block_wise_while_prefilling(engine, reference):
     """chunked=true for every policy (DESIGN.md §4.8 b): the chunk ends past P_c pages compact what each head
-    holds with the chunk policy (for query-based policies expected attention by default), window queries
+    holds with the chunk policy (for query-based policies KeyDiff by default, or expected attention), window queries
     included (a 16-token chunk is smaller than most windows: the window spans chunks), and the prompt's end
     with the request's policy; and once with one budget and policy for every cut."""
     from vllm_evict.engine.request_config import eviction_points
 
     prompt = random_prompt(63, 400)
     cases = all_policies(budget=80, chunked=True, chunk_size=48) + [
-        {"policy": "snapkv", "budget": 0.2, "chunked": True, "chunk_size": 16, "window": 24},
-        {"policy": "obcache-joint", "budget": 96, "chunked": True, "chunk_size": 16, "chunk_policy": "knorm",
+        {"policy": "snapkv", "budget": 0.2, "chunked": True, "chunk_size": 16, "window": 24,
+         "chunk_policy": "expected-attention"},
+        {"policy": "obcache-joint", "budget": 96, "chunked": True, "chunk_size": 16, "chunk_policy": "streaming",
          "chunk_budget": 0.5},
         {"policy": "dropkv", "budget": 80, "chunked": True, "chunk_size": 48, "chunk_budget": 80,
          "chunk_policy": "dropkv"}]
@@ -118,7 +119,7 @@ def test_every_policy_evicts_block_wise_while_prefilling(engine, reference):
         chunk_pages = max(chunk_config.num_pages(len(prompt), PAGE), spec.config.num_pages(len(prompt), PAGE))
         points = eviction_points(len(prompt), chunk_pages, PAGE, spec.chunk_tokens(PAGE))
         assert report["compactions"] == len(points) > 2, (case, report)
-        assert report["chunk_policy"] == case.get("chunk_policy", "expected-attention" if spec.config.needs_queries()
+        assert report["chunk_policy"] == case.get("chunk_policy", "keydiff" if spec.config.needs_queries()
                                                   else case["policy"]), report
 
 

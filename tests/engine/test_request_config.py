@@ -86,8 +86,8 @@ def test_bad_chunk_fields_are_refused(fields, match):
 
 
 def test_two_stage_block_wise_schedule():
-    """Block-wise cuts before the last keep P_c pages scored by the chunk policy (a question-agnostic one by
-    default for query-based policies, at 4x the budget); the cut at the prompt's end keeps P with the
+    """Block-wise cuts before the last keep P_c pages scored by the chunk policy (KeyDiff by default for
+    query-based policies, at 4x the budget); the cut at the prompt's end keeps P with the
     request's policy. Flat keys and the nested form agree."""
     from vllm_evict.engine.request_config import CompactionSchedule
 
@@ -97,7 +97,8 @@ def test_two_stage_block_wise_schedule():
     points = [schedule.point(c) for c in range(schedule.prompt_points)]
     assert (schedule.pages, schedule.chunk_pages) == (13, 50)  # 200 and 800 tokens of 2,000
     assert [p.at for p in points] == [896, 1024, 1152, 1280, 1408, 1536, 1664, 1792, 1920, 2000]
-    assert {p.config.policy for p in points[:-1]} == {"expected-attention"} and points[-1].config.policy == "snapkv"
+    assert {p.config.policy for p in points[:-1]} == {"keydiff"} and points[-1].config.policy == "snapkv"
+    assert {p.window for p in points} == {32}  # the request's window: the same captured queries for both
     assert {p.kept for p in points[:-1]} == {800} and points[-1].kept == 208
     assert points[-1].held == 800 + 2000 - 1920
     flat = parse_request({"eviction_policy": "snapkv", "eviction_budget": "0.1", "eviction_chunked": "1",
