@@ -77,9 +77,10 @@ def main() -> int:
     def params(eviction: dict | None, **kw) -> SamplingParams:
         return SamplingParams(temperature=0, extra_args={"vllm_evict": eviction} if eviction else None, **kw)
 
-    # perplexity: full cache, then every (policy, budget) block-wise
-    ppl_cases = [None] + [{"policy": p, "budget": b, "chunked": True, "chunk_size": args.chunk_size}
-                          for b in args.ppl_budgets for p in policies]
+    # perplexity: full cache, then every (policy, budget) block-wise, one budget and policy for every cut (each
+    # chunk is predicted from what that budget kept, as in StreamingLLM's evaluation)
+    ppl_cases = [None] + [{"policy": p, "budget": b, "chunked": True, "chunk_size": args.chunk_size,
+                           "chunk_budget": b, "chunk_policy": p} for b in args.ppl_budgets for p in policies]
     outs = llm.generate([{"prompt_token_ids": text_ids}] * len(ppl_cases),
                         [params(c, max_tokens=1, prompt_logprobs=0) for c in ppl_cases])
     ppl_rows = []
