@@ -852,7 +852,8 @@ PLANS = {
                                  "--max-model-len", "69632"], 200),
         ("evict", "capacity", ["--prompt-len", "65536", "--max-tokens", "4096", "--max-model-len", "69632",
                                "--policy", "keydiff", "--capacity-configs", "0.25:uniform",
-                               "--eviction-options", '{"chunked": true, "chunk_size": 512}'], 330)],
+                               "--eviction-options", '{"chunked": true, "chunk_size": 512, "chunk_budget": 0.25}'],
+         330)],
     "hybrid-gpt-oss-20b": _hybrid_plan(36, "16384:512:64", 420),
     "hybrid-gemma-3-12b": _hybrid_plan(24, "16384:512:32", 420),
     # Qwen3-Next without prefix caching, vLLM's default on linear-attention hybrids (an evicting request takes
