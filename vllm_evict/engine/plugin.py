@@ -136,7 +136,7 @@ def never_fits(vllm_config, num_prompt: int, params) -> str | None:
 
 def _allow_prompts_beyond_kv_cache() -> None:
     """vLLM refuses to start when one --max-model-len sequence does not fit the KV cache. Block-wise
-    eviction (chunked=true) holds at most P + chunk/block_size blocks whatever its prompt, so with
+    eviction (chunked=true) holds at most P_c + chunk/block_size blocks whatever its prompt, so with
     $VLLM_EVICT_ALLOW_LONG_PROMPTS set (read when the engine starts) that refusal becomes a warning; the
     scheduler fails, at arrival, each request that could never fit the cache even alone
     (scheduler.peak_blocks)."""
