@@ -29,8 +29,8 @@ ONE_SHOT = [{"policy": "snapkv", "budget": 0.25}, {"policy": "snapkv", "budget":
 
 def again(page: int) -> list[dict]:
     """Block-wise and decode-time cases for pages of `page` tokens."""
-    return [{"policy": "snapkv", "budget": 0.5, "chunked": True},
-            {"policy": "keydiff", "budget": 0.5, "chunked": True, "allocation": "adakv"},
+    return [{"policy": "snapkv", "budget": 0.5, "chunked": True, "chunk_budget": 0.5},  # KeyDiff cuts, then SnapKV's
+            {"policy": "keydiff", "budget": 0.5, "chunked": True, "allocation": "adakv", "chunk_budget": 0.5},
             {"policy": "snapkv", "decode_budget": 3 * page, "decode_every": page},
             {"policy": "tova", "budget": 0.5, "decode_budget": 4 * page, "decode_every": page, "allocation": "adakv"}]
 
