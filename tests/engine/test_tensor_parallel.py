@@ -160,8 +160,8 @@ def test_adakv_evicts_again_at_tp2_as_the_reference(engine, reference):
     cases = {"decode": {"policy": "snapkv", "decode_budget": 48, "decode_every": 32, "allocation": "adakv"},
              "one-shot": {"policy": "dropkv", "budget": 0.3, "decode_budget": 64, "decode_every": 32,
                           "allocation": "adakv"},
-             "block-wise": {"policy": "keydiff", "budget": 96, "chunked": True, "chunk_size": 64,
-                            "decode_budget": 64, "decode_every": 48, "allocation": "adakv"},
+             "block-wise": {"policy": "keydiff", "budget": 96, "chunked": True, "chunk_size": 64, "chunk_budget": 96,
+                            "decode_budget": 64, "decode_every": 48, "allocation": "adakv"},  # in-place points
              "uniform": {"policy": "tova", "budget": 0.3, "decode_budget": 48, "decode_every": 32}}
     max_tokens = 100
     kv_manager, trims = scheduler.kv_cache_manager, []
