@@ -119,6 +119,15 @@ class Driver:
         self.gen = torch.Generator().manual_seed(seed)
         self.counter = 0
         self.vocab = 1000
+        self.scheduled = (0, 0)  # the last step's (tokens, requests), read off the scheduler's output
+        schedule = self.scheduler.schedule
+
+        def counted_schedule(*a, **kw):
+            output = schedule(*a, **kw)
+            self.scheduled = (output.total_num_scheduled_tokens, len(output.num_scheduled_tokens))
+            return output
+
+        self.scheduler.schedule = counted_schedule
 
     def prompt(self, n: int, prefix: list[int] | None = None) -> list[int]:
         import torch
@@ -254,6 +263,7 @@ def run_load(args, drv: Driver, deadline: float, num_requests: int, max_tokens: 
     last_admission = 0
     stop_reason = "all requests finished"
     latency = []
+    trace = []  # --step-trace: [ms, tokens, requests, decode_only] of every step
     while drv.engine.has_unfinished_requests():
         if time.time() > deadline:
             stop_reason = "deadline"
@@ -261,6 +271,8 @@ def run_load(args, drv: Driver, deadline: float, num_requests: int, max_tokens: 
         before = len(drv.scheduler.running)
         outs, dt, new, decode_only = drv.step()
         steps += 1
+        if args.step_trace:
+            trace.append([round(1e3 * dt, 3), *drv.scheduled, int(decode_only)])
         tokens += new
         for o in outs:
             if o.finished and (r := report_of(o)) is not None and r.get("latency_ms") is not None:
@@ -302,6 +314,8 @@ def run_load(args, drv: Driver, deadline: float, num_requests: int, max_tokens: 
     if latency:
         out["evict_ms_mean"] = round(statistics.mean(latency), 2)
     print(json.dumps(out), flush=True)
+    if trace:
+        out["step_trace"] = trace
     return out
 
 
@@ -1048,6 +1062,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--chunk-size", type=int, default=512, help="block-wise chunk (suite memory)")
     o.add_argument("--time-limit", type=float, default=540)
     o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--step-trace", action="store_true",
+                   help="record every step of a load as [ms, scheduled tokens, scheduled requests, decode-only]")
     return ap
 
 

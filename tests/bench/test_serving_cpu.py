@@ -134,7 +134,7 @@ def test_load_at_capacity_and_e2e_on_one_engine(tmp_path):
     once per allocation of --allocation (the load suite takes the first)."""
     run = run_one(tmp_path, "fit", "--engine", "evict", "--suite", "load,e2e", "--prompt-len", "768",
                   "--max-tokens", "16", "--num-requests", "0", "--shared-prefix", "--shapes", "512:8:4",
-                  "--allocation", "uniform,adakv")
+                  "--allocation", "uniform,adakv", "--step-trace")
     fit = run["fit"]
     assert fit["num_requests"] == run["num_requests"] == 32  # COMMON's --max-num-seqs bounds it on this pool
     assert fit["reserve_blocks"] == 768 // 16 and fit["blocks_per_request"] < 768 // 16
@@ -144,3 +144,8 @@ def test_load_at_capacity_and_e2e_on_one_engine(tmp_path):
     for shape in run["shapes"]:
         assert shape["load"]["shared_prefix"] is False and shape["load"]["stop_reason"] == "all requests finished"
         assert shape["load"]["prompt_len"] == 512
+        # --step-trace: every step, and each token computed once (distinct prompts, no preemption)
+        trace = shape["load"]["step_trace"]
+        assert len(trace) == shape["load"]["steps"]
+        assert sum(tokens for _, tokens, _, _ in trace) == 4 * 512 + 4 * (8 - 1)
+        assert sum(decode_only for *_, decode_only in trace) == shape["load"]["decode_steps"]

@@ -5,7 +5,8 @@
 #         (pytest arguments, spaces as commas), or py:SCRIPT,ARGS (a python script of the checkout, spaces as
 #         commas; $OUT in ARGS is the job's own folder of files back), run on GPU index = the job's position.
 #         JOB+JOB+...: jobs one after another on that GPU.
-# usage: [COMMIT=sha] [BUDGET_S=570] bash tools/device/side_by_side.sh JOB...
+# usage: [COMMIT=sha] [BUDGET_S=570] [SERVING_EXTRA="--step-trace"] bash tools/device/side_by_side.sh JOB...
+#   SERVING_EXTRA: arguments passed to every engine run of the PLAN:ENGINE jobs
 # Files back ($OUT): info.txt (GPUs, commit, jobs), JOB.log per job (warnings dropped), results.tgz (the JSONs).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -32,7 +33,7 @@ job_command() {  # the shell command of one JOB
     echo "cd /tmp && python3 $PWD/${args//\$OUT/$OUT/$name}"
   else
     # from /tmp too: vLLM's model-inspection subprocess must not find the checkout's vllm_evict/ in its cwd
-    echo "cd /tmp && python3 $PWD/benchmarks/serving.py run --plan ${job%%:*} --engines ${job##*:} --out-dir /tmp/side/$name"
+    echo "cd /tmp && python3 $PWD/benchmarks/serving.py run --plan ${job%%:*} --engines ${job##*:} --out-dir /tmp/side/$name ${SERVING_EXTRA:-}"
   fi
 }
 for slot in "$@"; do
