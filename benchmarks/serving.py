@@ -908,6 +908,7 @@ def vanilla_path() -> str:
 
 
 def run_plan(args) -> int:
+    passed = args.extra[1:] if args.extra[:1] == ["--"] else args.extra  # run --plan P ... -- --step-trace
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     combined = []
@@ -922,7 +923,7 @@ def run_plan(args) -> int:
             continue
         out = out_dir / f"{args.plan}_{i}_{engine}_{suite.replace(',', '-')}.json"
         cmd = [sys.executable, __file__, "one", "--engine", engine, "--suite", suite, "--out", str(out),
-               "--time-limit", str(seconds - 60), *model, *extra, *args.extra]
+               "--time-limit", str(seconds - 60), *model, *extra, *passed]
         print("$", f"PYTHONPATH={vanilla_path()} " * (engine == "vanilla") + " ".join(cmd), flush=True)
         t0 = time.time()
         env = dict(os.environ)

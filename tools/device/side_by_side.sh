@@ -33,7 +33,7 @@ job_command() {  # the shell command of one JOB
     echo "cd /tmp && python3 $PWD/${args//\$OUT/$OUT/$name}"
   else
     # from /tmp too: vLLM's model-inspection subprocess must not find the checkout's vllm_evict/ in its cwd
-    echo "cd /tmp && python3 $PWD/benchmarks/serving.py run --plan ${job%%:*} --engines ${job##*:} --out-dir /tmp/side/$name ${SERVING_EXTRA:-}"
+    echo "cd /tmp && python3 $PWD/benchmarks/serving.py run --plan ${job%%:*} --engines ${job##*:} --out-dir /tmp/side/$name ${SERVING_EXTRA:+-- $SERVING_EXTRA}"
   fi
 }
 for slot in "$@"; do
