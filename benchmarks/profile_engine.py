@@ -150,6 +150,9 @@ def attention_splits(shapes: list[tuple[int, int]], spreads: list[float], splits
     return rows
 
 
+DECODE_STEPS = 20  # timed, not profiled, before the profiled ones
+
+
 def engine_profile(args, out_dir: Path) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
@@ -224,12 +227,12 @@ def engine_profile(args, out_dir: Path) -> None:
         for k in timers:
             timers[k] = 0.0
         t0 = time.perf_counter()
-        for _ in range(5):
+        for _ in range(DECODE_STEPS):
             engine.step()
         torch.cuda.synchronize()
-        dt = (time.perf_counter() - t0) / 5
+        dt = (time.perf_counter() - t0) / DECODE_STEPS
         print(f"### decode {label}: batch {len(sched.running)}, {dt * 1e3:.2f} ms/step (not profiled); per step "
-              + ", ".join(f"{k} {v / 5 * 1e3:.2f} ms" for k, v in timers.items()), flush=True)
+              + ", ".join(f"{k} {v / DECODE_STEPS * 1e3:.2f} ms" for k, v in timers.items()), flush=True)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
             for _ in range(3):

@@ -134,7 +134,7 @@ def test_load_at_capacity_and_e2e_on_one_engine(tmp_path):
     once per allocation of --allocation (the load suite takes the first)."""
     run = run_one(tmp_path, "fit", "--engine", "evict", "--suite", "load,e2e", "--prompt-len", "768",
                   "--max-tokens", "16", "--num-requests", "0", "--shared-prefix", "--shapes", "512:8:4",
-                  "--allocation", "uniform,adakv", "--step-trace")
+                  "--allocation", "uniform,adakv", "--step-trace", "--warm-up-load")
     fit = run["fit"]
     assert fit["num_requests"] == run["num_requests"] == 32  # COMMON's --max-num-seqs bounds it on this pool
     assert fit["reserve_blocks"] == 768 // 16 and fit["blocks_per_request"] < 768 // 16
@@ -143,7 +143,7 @@ def test_load_at_capacity_and_e2e_on_one_engine(tmp_path):
         ("uniform", "uniform"), ("adakv", "adakv")]
     for shape in run["shapes"]:
         assert shape["load"]["shared_prefix"] is False and shape["load"]["stop_reason"] == "all requests finished"
-        assert shape["load"]["prompt_len"] == 512
+        assert shape["load"]["prompt_len"] == 512 and shape["warm_up_wall_s"] > 0
         # --step-trace: every step, and each token computed once (distinct prompts, no preemption)
         trace = shape["load"]["step_trace"]
         assert len(trace) == shape["load"]["steps"]
