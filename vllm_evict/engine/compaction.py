@@ -204,7 +204,8 @@ def compact_request(state, layers: list[tuple[int, object]], scale: float, promp
 
 
 def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], scale: float,
-                     heads: KVHeadGroup = KVHeadGroup(), rotation: torch.Tensor | None = None) -> torch.Tensor | None:
+                     heads: KVHeadGroup = KVHeadGroup(), rotation: torch.Tensor | None = None,
+                     followers: dict[int, list] | None = None) -> torch.Tensor | None:
     """Score, select and move the tokens each request holds at its next compaction point (request_config.Point:
     its prompt up to E, or, evicting again, its kept pages and the tokens since) into their blocks, in every
     layer. Several requests (one batch_key) fold into the head axis next to the layers, so one scoring call,
@@ -216,6 +217,8 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     gathered head by head: each head holds its own count (DESIGN.md §4.8 a), padded to the batch's largest.
     layers: (layer index, paged cache adapter) in layer order. heads: this rank's KV heads among the
     layer's (tensor parallelism). rotation: the model's mean RoPE move to future positions (expected attention).
+    followers: {layer index: [(layer index, cache)]} layers that keep, head by head, the tokens that layer
+    keeps (a draft model's layers in the same KV cache group; uniform allocation only, DESIGN.md §4.8 g).
     Fills each state.layers. Returns, for Ada-KV under TP (one request), the fresh blocks F' <= F that the
     fullest rank fills (a device scalar): the layout spans those, and the other F - F' are never written;
     else None."""
@@ -224,6 +227,7 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     fixed, R = point.fixed, len(requests)
     assert R == 1 or len({batch_key(s) for s, _, _ in requests} - {None}) == 1, "requests of one batch key"
     per_head = not state.stock_layout
+    assert not (followers and per_head), "a draft model's layers follow stock-layout (uniform) requests only"
     held = max(s.gathered_tokens for s, _, _ in requests)
     groups = layer_groups(layers, held * R, cache.num_heads, cache.head_dim, cache.gathered_itemsize)
     options = {**config.score_options(), "window": point.window, "sink": point.sink, "future_rotation": rotation}
@@ -271,6 +275,12 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
         if not deferred:
             for r, (each, _, fresh_blocks) in enumerate(requests):
                 _write_group(each, group, keys[:, r], values[:, r], keep[r], counts[r], fresh_blocks)
+            for i, (index, _) in enumerate(group):
+                for follower in (followers or {}).get(index, ()):
+                    follower_keys, follower_values = _gather(cache, [follower], [blocks for _, blocks, _ in requests], held)
+                    for r, (each, _, fresh_blocks) in enumerate(requests):
+                        _write_group(each, [follower], follower_keys[:, r], follower_values[:, r], keep[r, i: i + 1],
+                                     counts[r, i: i + 1], fresh_blocks)
             continue
         fullest = heads.all_heads(counts[0].sum(dim=1, keepdim=True)).amax()  # pages of the fullest rank's layer
         used = fullest if used is None else torch.maximum(used, fullest)

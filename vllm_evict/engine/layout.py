@@ -32,11 +32,14 @@ class EvictedGroup:
         return self.num_groups > 1
 
 
-def model_refusal(model_config, scheduler_config=None) -> str | None:
+def model_refusal(model_config, scheduler_config=None, speculative_config=None) -> str | None:
     """Why this model's KV layout cannot evict, from its config alone (None: it can, as far as the config
     tells; the KV cache groups are checked again at engine start, `evicted_group`)."""
     if model_config is None:
         return None
+    reason = drafter_refusal(model_config, speculative_config)
+    if reason is not None:
+        return reason
     name = ", ".join(getattr(model_config.hf_config, "architectures", None) or []) or model_config.model
     if getattr(model_config, "is_attention_free", False):
         return f"{name} has no attention layers (no KV cache to evict)"
@@ -56,12 +59,40 @@ def model_refusal(model_config, scheduler_config=None) -> str | None:
 
 def check_on_engine(spec, vllm_config) -> None:
     """Raise ValueError when an evicting request (request_config.RequestEviction) cannot run on this engine:
-    a model that cannot evict, or a rule that needs the engine's page size. Run where requests arrive (the
-    input processor; the OpenAI handlers, before a stream starts), so the client gets a 400."""
-    reason = model_refusal(vllm_config.model_config, vllm_config.scheduler_config)
+    a model that cannot evict, or a rule that needs the engine's page size or its drafter. Run where requests
+    arrive (the input processor; the OpenAI handlers, before a stream starts), so the client gets a 400."""
+    reason = model_refusal(vllm_config.model_config, vllm_config.scheduler_config, vllm_config.speculative_config)
     if reason is not None:
         raise ValueError(f"this model cannot evict: {reason} (send \"policy\": \"none\" or no eviction)")
     spec.check_page_size(vllm_config.cache_config.block_size)
+    if drafts_with_kv_cache(vllm_config.speculative_config) and spec.config.allocation != "uniform":
+        raise ValueError(f"allocation {spec.config.allocation!r} is not supported with a draft model that keeps "
+                         f"its own KV cache (speculative method {vllm_config.speculative_config.method!r}): its "
+                         "layers keep the target's kept tokens in the stock layout; use \"allocation\": \"uniform\"")
+
+
+def drafts_with_kv_cache(speculative_config) -> bool:
+    """Speculation by a draft model whose attention layers write KV of their own into the target's KV cache
+    groups (EAGLE, EAGLE3, MTP, a separate draft model); n-gram speculation has none."""
+    return speculative_config is not None and (speculative_config.use_eagle() or speculative_config.uses_draft_model())
+
+
+def drafter_refusal(model_config, speculative_config) -> str | None:
+    """Why eviction cannot run beside this drafter (None: it can, or there is none with a KV cache). Its layers
+    keep the last target layer's tokens, and its later draft steps address them at shifted positions
+    (runner_hooks.eagle_step): the padded drafter batch of one KV cache group only."""
+    if not drafts_with_kv_cache(speculative_config):
+        return None
+    method = speculative_config.method
+    if method in ("dflash", "dspark"):
+        return f"speculative method {method!r} places its draft tokens' KV by positions eviction does not shift"
+    if speculative_config.disable_padded_drafter_batch:
+        return ("a draft model with its own KV cache evicts with the padded drafter batch only "
+                "(drop disable_padded_drafter_batch)")
+    if getattr(model_config, "is_hybrid", False) or _has_window_layers(model_config.hf_text_config):
+        return ("a draft model with its own KV cache is not supported with eviction on a model with "
+                "sliding-window or linear-attention layers in this version")
+    return None
 
 
 def _has_window_layers(text_config) -> bool:

@@ -9,6 +9,9 @@
 - `_model_forward`: after the forward, compact the requests that reached their eviction point, all
   layers at once (compaction.compact_requests);
 - `execute_model`, `sample_tokens`: reports on the step's output; the plan is cleared when the step ends;
+  with a draft model that has KV layers of its own, the step's compaction waits until its drafts are
+  proposed (the drafter writes this step's tokens first), and the drafter's later steps address the
+  compacted rows' KV at their shifted positions (`eagle_step_update_slot_mapping_and_metadata`);
 - `MultiGroupBlockTable.__init__`: the evicted group's rows widened for the fresh blocks;
 and the CUDA-graph dispatcher: steps that need the attention call (window capture, compaction, eager
 per-head tables) skip FULL graphs; uniform decode steps with per-head (Ada-KV) rows replay FULL graphs
@@ -27,6 +30,7 @@ from vllm_evict.engine.worker import STATE
 def install_runner_hooks() -> None:
     from vllm.config import CUDAGraphMode
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.v1.spec_decode import llm_base_proposer
     from vllm.v1.worker.block_table import MultiGroupBlockTable
     from vllm.v1.worker import gpu_worker
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -46,6 +50,18 @@ def install_runner_hooks() -> None:
     orig_kernel_warmup = gpu_worker.kernel_warmup
     orig_initialize_kv_cache = GPUModelRunner.initialize_kv_cache
     orig_build_metadata = GPUModelRunner._build_attention_metadata
+    orig_eagle_step = llm_base_proposer.eagle_step_update_slot_mapping_and_metadata
+
+    def eagle_step(positions_1d, block_table_tensor, seq_lens, block_size, max_model_len, out_clamped_positions,
+                   out_slot_mapping, input_batch_size=None):
+        # a compacted row's KV sits at its position less its shift; RoPE keeps the position itself
+        shift = STATE.draft_shift(positions_1d.shape[0])
+        if shift is None:
+            return orig_eagle_step(positions_1d, block_table_tensor, seq_lens, block_size, max_model_len,
+                                   out_clamped_positions, out_slot_mapping, input_batch_size)
+        orig_eagle_step(positions_1d - shift, block_table_tensor, seq_lens, block_size, max_model_len,
+                        out_clamped_positions, out_slot_mapping, input_batch_size)
+        out_clamped_positions[: positions_1d.shape[0]] += shift.to(out_clamped_positions.dtype)
 
     def _build_attention_metadata(self, *args, **kwargs):
         BUILD.plan = STATE.plan  # what the evicted group's metadata builder puts on its metadata
@@ -74,12 +90,17 @@ def install_runner_hooks() -> None:
 
     def execute_model(self, *args, **kwargs):
         try:
-            return STATE.attach_report(orig_execute(self, *args, **kwargs))
+            output = orig_execute(self, *args, **kwargs)
+            if output is not None:  # no sample_tokens follows this step
+                STATE.after_drafts(self)
+            return STATE.attach_report(output)
         finally:
             STATE.end_step()
 
     def sample_tokens(self, *args, **kwargs):
-        return STATE.attach_report(orig_sample(self, *args, **kwargs))
+        output = orig_sample(self, *args, **kwargs)
+        STATE.after_drafts(self)
+        return STATE.attach_report(output)
 
     def block_table_init(self, *args, **kwargs):
         # During the compaction step a row of the evicted group holds the prompt blocks plus the P fresh ones.
@@ -147,6 +168,7 @@ def install_runner_hooks() -> None:
     GPUModelRunner.sample_tokens = sample_tokens
     MultiGroupBlockTable.__init__ = block_table_init
     CudagraphDispatcher.dispatch = dispatch
+    llm_base_proposer.eagle_step_update_slot_mapping_and_metadata = eagle_step
     CudagraphDispatcher.initialize_cudagraph_keys = initialize_cudagraph_keys
     GPUModelRunner._warmup_and_capture = _warmup_and_capture
     gpu_worker.kernel_warmup = kernel_warmup

@@ -343,7 +343,8 @@ class _EvictionSchedulerMixin:
         # a page: one block of the evicted group (a hybrid model's other groups may use other block sizes)
         self.page_size = self.kv_cache_config.kv_cache_groups[group.index].kv_cache_spec.block_size \
             if group is not None else self.block_size
-        reason = model_refusal(self.vllm_config.model_config, self.vllm_config.scheduler_config) or reason
+        config = self.vllm_config
+        reason = model_refusal(config.model_config, config.scheduler_config, config.speculative_config) or reason
         self.refusal = reason  # why this model cannot evict (None: it can); requests that ask are failed
         self.evictions: dict[str, SchedulerEviction] = {}
         self.failed: list = []  # finished with an error (unreadable settings, failed compaction), output pending

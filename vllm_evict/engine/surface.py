@@ -42,6 +42,10 @@ SURFACE: dict[str, dict[str, str]] = {
             "self, cudagraph_mode, uniform_decode_query_len=",
         "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.add_cudagraph_key": "self, runtime_mode, batch_descriptor",
         "vllm.v1.worker.gpu_worker:kernel_warmup": "worker",
+        # a draft model's later steps: the compacted rows' KV slots (runner_hooks.eagle_step)
+        "vllm.v1.spec_decode.llm_base_proposer:eagle_step_update_slot_mapping_and_metadata":
+            "positions_1d, block_table_tensor, seq_lens, block_size, max_model_len, out_clamped_positions, "
+            "out_slot_mapping, input_batch_size=",
         # attention.py, cpu_backend.py, cuda_backend.py: metadata builders that add the step's plan, and the
         # KV write's metadata (vLLM calls do_kv_cache_update without it)
         "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.build":

@@ -40,6 +40,8 @@ class WorkerEvictionState:
         self.windows = WindowStore(0)            # every request's window queries (one per runner)
         self.layers: tuple | None = None         # (runner, attention_layers), set by its first plan
         self.group = None                        # layout.EvictedGroup: the KV cache group compacted (None: none)
+        self.followers: dict[int, list] = {}     # a draft model's layers, keyed by the layer whose tokens they keep
+        self.sampling_plan: StepPlan | None = None  # with a drafter: the step's plan until its drafts are proposed
 
     def attach_report(self, output):
         """Send compaction latencies, failures and trimmed fresh blocks to the scheduler on a
@@ -125,7 +127,8 @@ class WorkerEvictionState:
 
         group, reason = evicted_group(kv_cache_config)
         if reason is None:
-            reason = model_refusal(runner.model_config, runner.vllm_config.scheduler_config)
+            config = runner.vllm_config
+            reason = model_refusal(runner.model_config, config.scheduler_config, config.speculative_config)
         self.group = None if reason else group
         BUILD.evicted_layers = frozenset() if reason else frozenset(
             kv_cache_config.kv_cache_groups[group.index].layer_names)
@@ -257,8 +260,25 @@ class WorkerEvictionState:
             return
         if plan.capture_tokens is not None and per_head_graph_step():
             self.windows.capture_all(staged_queries(), plan.capture_tokens, plan.capture_rows)
-        if plan.compacting:
+        if self.followers:  # a draft model's layers: compact once the drafter has written this step's tokens
+            self.sampling_plan = plan
+        elif plan.compacting:
             self.compact(runner, plan)
+
+    def after_drafts(self, runner) -> None:
+        """After the step's sampling and draft proposals (a drafter with KV layers of its own): compact the
+        requests that reached their point, the draft layers keeping what their target layer keeps."""
+        plan, self.sampling_plan = self.sampling_plan, None
+        if plan is not None and plan.compacting:
+            self.compact(runner, plan)
+
+    def draft_shift(self, num_rows: int) -> torch.Tensor | None:
+        """[num_rows] positions each row of the step being drafted is shifted by (None: none is)."""
+        plan = self.sampling_plan
+        if plan is None or plan.row_shift_device is None:
+            return None
+        shift = plan.row_shift_device[:num_rows]
+        return torch.nn.functional.pad(shift, (0, num_rows - shift.shape[0]))  # rows past the plan's: none
 
     def compact(self, runner, plan: StepPlan) -> None:
         """Compact every request whose chunk ended at its point, all layers at once, requests of one batch
@@ -273,7 +293,7 @@ class WorkerEvictionState:
             started = self.latency.start(cache.device)
             try:
                 with torch.profiler.record_function("vllm_evict.compact"):  # a named range in torch profiles
-                    used = compact_one(batch, layers, scale, self.heads, self.rotation)
+                    used = compact_one(batch, layers, scale, self.heads, self.rotation, self.followers)
                 if used is not None:
                     batch[0].used_blocks = HostCopy(used)
                 for state in batch:
@@ -292,10 +312,16 @@ class WorkerEvictionState:
         Another engine in this process has caches, a window store and KV heads of its own."""
         if self.layers is None or self.layers[0] is not runner:
             modules = runner.vllm_config.compilation_config.static_forward_context.values()
-            impls = [m for m in modules if hasattr(getattr(m, "impl", None), "_cached_paged_cache")
-                     and m.impl.kv_sharing_target_layer_name is None and m.layer_name in BUILD.evicted_layers]
+            evicted = [m for m in modules if hasattr(getattr(m, "impl", None), "_cached_paged_cache")
+                       and m.impl.kv_sharing_target_layer_name is None and m.layer_name in BUILD.evicted_layers]
+            drafts = draft_layer_names(runner)
+            impls = [m for m in evicted if m.layer_name not in drafts]
             layers = sorted(((extract_layer_index(m.layer_name), m.impl._cached_paged_cache(m, m.kv_cache))
                              for m in impls), key=lambda item: item[0])
+            # a draft model's layers share the target's block table: they keep the last target layer's tokens
+            self.followers = {layers[-1][0]: [(extract_layer_index(m.layer_name),
+                                               m.impl._cached_paged_cache(m, m.kv_cache))
+                                              for m in evicted if m.layer_name in drafts]} if drafts else {}
             self.layers = (runner, layers, impls[0].impl.scale)
             self.windows = WindowStore(num_layers=layers[-1][0] + 1)
             self.heads = kv_head_group(runner)
@@ -328,7 +354,7 @@ def shift_positions(runner, plan: StepPlan, group) -> None:
         row_shift[row] = plan.states[row].shift
     device = runner.seq_lens.device
     plan.row_shift = row_shift
-    shift = host_to_device(row_shift.tolist(), device)
+    shift = plan.row_shift_device = host_to_device(row_shift.tolist(), device)
     tables = runner.input_batch.block_table
     if group.hybrid:
         plan.shift = shift.to(runner.seq_lens.dtype)
@@ -360,8 +386,18 @@ def future_rotation(model, layer_name: str, device) -> torch.Tensor | None:
                          rope.is_neox_style).to(device)
 
 
+def draft_layer_names(runner) -> set[str]:
+    """The attention layers of the runner's draft model (EAGLE, MTP, a draft model: they write a KV cache of
+    their own in the target's KV cache groups); empty without one (n-gram speculation has no model)."""
+    model = getattr(getattr(runner, "drafter", None), "model", None)
+    if not isinstance(model, torch.nn.Module):
+        return set()
+    return {m.layer_name for m in model.modules() if isinstance(getattr(m, "layer_name", None), str)}
+
+
 def compact_one(states: list[WorkerEviction], layers: list, scale: float,
-                heads: KVHeadGroup = KVHeadGroup(), rotation: torch.Tensor | None = None) -> torch.Tensor | None:
+                heads: KVHeadGroup = KVHeadGroup(), rotation: torch.Tensor | None = None,
+                followers: dict[int, list] | None = None) -> torch.Tensor | None:
     """compact_requests with the requests' block ids on the cache's device (one pinned copy, no sync)."""
     from vllm_evict.engine.per_head import host_to_device
 
@@ -371,7 +407,7 @@ def compact_one(states: list[WorkerEviction], layers: list, scale: float,
         read, written = len(state.prompt_block_ids), len(state.fresh_blocks)
         requests.append((state, ids[start: start + read], ids[start + read: start + read + written]))
         start += read + written
-    return compact_requests(requests, layers, scale, heads, rotation)
+    return compact_requests(requests, layers, scale, heads, rotation, followers)
 
 
 def staged_queries() -> torch.Tensor:

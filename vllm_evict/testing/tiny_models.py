@@ -175,6 +175,19 @@ def ensure_tiny_model(kind: str = "llama", cache_dir: str | Path | None = None, 
     return path
 
 
+def tiny_eagle_draft(target: str | Path) -> Path:
+    """The config of a one-layer EAGLE draft for a tiny Llama (beside it), for vLLM's speculative method
+    "eagle" with `draft_load_config={"load_format": "dummy"}`: its attention layer has the target's shape,
+    so vLLM puts its KV cache in the target's KV cache group."""
+    target = Path(target)
+    path = target / "eagle-draft"
+    path.mkdir(exist_ok=True)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
 def write_real_config(name: str, cache_dir: str | Path | None = None) -> Path:
     """Config + a tiny tokenizer of a real model, for `load_format="dummy"` runs at its real shape."""
     if name not in REAL_CONFIGS:
