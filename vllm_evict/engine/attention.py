@@ -92,7 +92,7 @@ class EvictionMetadataBuilderMixin:
             buffer = self._vllm_evict_seq_lens = cm.seq_lens.new_zeros(size)
         buffer[:n].copy_(cm.seq_lens)
         if plan is not None and plan.shift is not None:
-            buffer[: plan.num_reqs] -= plan.shift
+            buffer[: plan.num_reqs] -= plan.shift.to(buffer.dtype)
         return dataclasses.replace(cm, seq_lens=buffer[:n])
 
 

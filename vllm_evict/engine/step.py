@@ -43,8 +43,8 @@ class StepPlan:
     tables: object | None = None             # per_head.StepTables, built by the first layer
     split_kv: bool = True                    # which per-head FULL graph replays (per_head.split_kv; CUDA)
     row_shift: "np.ndarray | None" = None    # [num_reqs] positions each row is shifted by (shift_positions)
-    shift: torch.Tensor | None = None        # the same on the device, for a hybrid model's evicted group only
-    row_shift_device: torch.Tensor | None = None  # [num_reqs] int64 row_shift on the device (a drafter's steps)
+    shift: torch.Tensor | None = None        # [num_reqs] int64, the same on the device (a hybrid model's
+                                             # evicted group, a drafter's later steps)
 
     @property
     def per_head(self) -> bool:

@@ -275,9 +275,9 @@ class WorkerEvictionState:
     def draft_shift(self, num_rows: int) -> torch.Tensor | None:
         """[num_rows] positions each row of the step being drafted is shifted by (None: none is)."""
         plan = self.sampling_plan
-        if plan is None or plan.row_shift_device is None:
+        if plan is None or plan.shift is None:
             return None
-        shift = plan.row_shift_device[:num_rows]
+        shift = plan.shift[:num_rows]
         return torch.nn.functional.pad(shift, (0, num_rows - shift.shape[0]))  # rows past the plan's: none
 
     def compact(self, runner, plan: StepPlan) -> None:
@@ -354,10 +354,9 @@ def shift_positions(runner, plan: StepPlan, group) -> None:
         row_shift[row] = plan.states[row].shift
     device = runner.seq_lens.device
     plan.row_shift = row_shift
-    shift = plan.row_shift_device = host_to_device(row_shift.tolist(), device)
+    shift = plan.shift = host_to_device(row_shift.tolist(), device)
     tables = runner.input_batch.block_table
     if group.hybrid:
-        plan.shift = shift.to(runner.seq_lens.dtype)
         tables = tables[group.index]
     else:
         runner.seq_lens[:num_reqs] -= shift.to(runner.seq_lens.dtype)
