@@ -115,19 +115,44 @@ class Driver:
         import torch
 
         self.engine = engine
-        self.scheduler = engine.engine_core.engine_core.scheduler
+        core = engine.engine_core.engine_core
+        self.scheduler = core.scheduler
         self.gen = torch.Generator().manual_seed(seed)
         self.counter = 0
         self.vocab = 1000
         self.scheduled = (0, 0)  # the last step's (tokens, requests), read off the scheduler's output
+        self.host_ms = [0.0, 0.0, 0.0]  # the last step's host time in schedule, execute_model, update_from_output
+        self.plan = [0, 0]  # vllm-evict (in process): requests the last step compacted, whether it ran per head
         schedule = self.scheduler.schedule
 
         def counted_schedule(*a, **kw):
-            output = schedule(*a, **kw)
+            output = timed(0, schedule)(*a, **kw)
             self.scheduled = (output.total_num_scheduled_tokens, len(output.num_scheduled_tokens))
             return output
 
+        def timed(slot, fn):
+            def call(*a, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    self.host_ms[slot] += 1e3 * (time.perf_counter() - t0)
+            return call
+
         self.scheduler.schedule = counted_schedule
+        core.model_executor.execute_model = timed(1, core.model_executor.execute_model)
+        self.scheduler.update_from_output = timed(2, self.scheduler.update_from_output)
+        if os.environ.get("VLLM_PLUGINS") != "none":  # the worker runs in this process (uniproc executor)
+            from vllm_evict.engine.worker import STATE
+
+            build_plan = STATE.build_plan
+
+            def traced_plan(*a, **kw):
+                build_plan(*a, **kw)
+                if STATE.plan is not None:
+                    self.plan[0] += len(STATE.plan.compacting)
+                    self.plan[1] |= int(STATE.plan.needs_per_head_graph or STATE.plan.per_head)
+            STATE.build_plan = traced_plan
 
     def prompt(self, n: int, prefix: list[int] | None = None) -> list[int]:
         import torch
@@ -156,6 +181,7 @@ class Driver:
         prefilling before or after the step and none was admitted (queued requests may be waiting)."""
         running = len(self.scheduler.running)
         decode_only = self.prefilling() == 0
+        self.host_ms, self.plan = [0.0, 0.0, 0.0], [0, 0]
         t0 = time.perf_counter()
         outs = self.engine.step()
         dt = time.perf_counter() - t0
@@ -263,7 +289,7 @@ def run_load(args, drv: Driver, deadline: float, num_requests: int, max_tokens: 
     last_admission = 0
     stop_reason = "all requests finished"
     latency = []
-    trace = []  # --step-trace: [ms, tokens, requests, decode_only] of every step
+    trace = []  # --step-trace: every step (its fields: --step-trace's help)
     while drv.engine.has_unfinished_requests():
         if time.time() > deadline:
             stop_reason = "deadline"
@@ -272,7 +298,8 @@ def run_load(args, drv: Driver, deadline: float, num_requests: int, max_tokens: 
         outs, dt, new, decode_only = drv.step()
         steps += 1
         if args.step_trace:
-            trace.append([round(1e3 * dt, 3), *drv.scheduled, int(decode_only)])
+            trace.append([round(1e3 * dt, 3), *drv.scheduled, int(decode_only),
+                          *(round(ms, 3) for ms in drv.host_ms), *drv.plan])
         tokens += new
         for o in outs:
             if o.finished and (r := report_of(o)) is not None and r.get("latency_ms") is not None:
@@ -1072,7 +1099,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--warm-up-load", action="store_true",
                    help="suite e2e: run each shape's load once untimed before the measured one")
     o.add_argument("--step-trace", action="store_true",
-                   help="record every step of a load as [ms, scheduled tokens, scheduled requests, decode-only]")
+                   help="record every step of a load as [ms, scheduled tokens, scheduled requests, decode-only, "
+                        "host ms in schedule, execute_model and update_from_output, requests compacted, "
+                        "per-head attention (the last two: vllm-evict only)]")
     return ap
 
 

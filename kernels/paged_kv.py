@@ -7,8 +7,9 @@ negative). Each cache is [num_blocks, H, page, 2*D] (HND, K and V packed in the 
 head h in block b sits at ((b*H + h)*page + t % page)*2D, keys first.
 
 gather_prompt(caches, blocks, n, keys, values)
-    blocks [>= cdiv(n, page)] int32/int64 block ids of the prompt (the same in every layer);
-    keys/values [n, G, H, D] (any strides, unit stride on D): keys[t, g, h] = layer g's key of token t.
+    blocks [R, >= cdiv(n, page)] int32/int64 block ids of R requests' prompts (the same in every layer);
+    keys/values [n, R*G, H, D] (any strides, unit stride on D): keys[t, r*G + g, h] = layer g's key of
+    token t of request r (R requests compacted together: one launch for all).
 scatter_kept(caches, keys, values, slots)
     slots [G, n, H] int64: per-head slot (page*page_size + offset of the per-head page view, page =
     block*H + h) of token t in layer g, -1 = not kept; writes keys/values [n, G, H, D] there.
@@ -16,7 +17,8 @@ gather_slots(caches, slots, keys, values)
     the reverse: keys/values [n, G, H, D] <- the tokens at slots [G, n, H] (zero where -1). A request in
     per-head (Ada-KV) layout holds an uneven count per head, each head's tokens on pages of its own.
 
-n and H are not specialised, so no prompt length or group size compiles a new variant. The buffer
+n, H, the layer count and the block rows' stride are not specialised, so no prompt length, group
+size or number of requests compiles a new variant. The buffer
 strides are (multiples of 16 for the usual head sizes, whatever G is), so that the accesses vectorise.
 Both kernels have a torch reference below (`*_reference`); tests/kernels/test_paged_kv.py checks them
 against it (Triton interpreter on CPU, and on GPU).
@@ -68,16 +70,16 @@ def _tile(n, H, BLOCK: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr):
     return gh // H, gh % H, t, t < n, d, (d < D)[None, :]
 
 
-@triton.jit(do_not_specialize=["n", "H"])
-def _gather_prompt_kernel(base, offsets, blocks, keys, values, n, H,
+@triton.jit(do_not_specialize=["n", "H", "G", "s_b"])
+def _gather_prompt_kernel(base, offsets, blocks, keys, values, n, H, G, s_b,
                           s_kt, s_kg, s_kh, s_vt, s_vg, s_vh,
                           D: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
                           ALIGN: tl.constexpr):
-    g, h, t, t_ok, d, d_ok = _tile(n, H, BLOCK, D, D_P)
+    g, h, t, t_ok, d, d_ok = _tile(n, H, BLOCK, D, D_P)  # g: request g // G, layer g % G
     mask = t_ok[:, None] & d_ok
-    block = tl.load(blocks + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+    block = tl.load(blocks + (g // G).to(tl.int64) * s_b + t // PAGE, mask=t_ok, other=0).to(tl.int64)
     row = (block * H + h) * PAGE + t % PAGE
-    src = base + tl.multiple_of(tl.load(offsets + g), ALIGN) + row[:, None] * (2 * D) + d[None, :]
+    src = base + tl.multiple_of(tl.load(offsets + g % G), ALIGN) + row[:, None] * (2 * D) + d[None, :]
     k = tl.load(src, mask=mask)
     v = tl.load(src + D, mask=mask)
     t64 = t.to(tl.int64)[:, None]
@@ -130,11 +132,14 @@ def gather_prompt(caches: list[torch.Tensor], blocks: torch.Tensor, n: int, keys
     base, offsets = layer_offsets(caches)
     _, H, page, two_d = base.shape
     D = two_d // 2
-    if _check_buffers(keys, values, len(caches), H, D) != n or blocks.numel() * page < n:
+    if blocks.dim() != 2 or blocks.stride(-1) != 1:
+        raise ValueError(f"blocks must be [R, num_blocks] with a unit stride, got {tuple(blocks.shape)}")
+    rows = len(caches) * blocks.shape[0]
+    if _check_buffers(keys, values, rows, H, D) != n or blocks.shape[1] * page < n:
         raise ValueError(f"need {n} token rows and at least cdiv({n}, {page}) blocks")
-    grid = (triton.cdiv(n, BLOCK_T), len(caches) * H)
+    grid = (triton.cdiv(n, BLOCK_T), rows * H)
     _gather_prompt_kernel[grid](base, _offsets_tensor(offsets, base.device), blocks, keys, values, n, H,
-                                *keys.stride()[:3], *values.stride()[:3],
+                                len(caches), blocks.stride(0), *keys.stride()[:3], *values.stride()[:3],
                                 D=D, D_P=triton.next_power_of_2(D), PAGE=page, BLOCK=BLOCK_T,
                                 ALIGN=_alignment(offsets))
 
@@ -164,11 +169,12 @@ def _by_slots(kernel, caches: list[torch.Tensor], keys: torch.Tensor, values: to
 
 def gather_prompt_reference(caches: list[torch.Tensor], blocks: torch.Tensor, n: int, keys: torch.Tensor,
                             values: torch.Tensor) -> None:
-    D = caches[0].shape[-1] // 2
-    for g, cache in enumerate(caches):
-        tokens = cache[blocks.long()].permute(0, 2, 1, 3).flatten(0, 1)[:n]    # [n, H, 2D]
-        keys[:, g] = tokens[..., :D]
-        values[:, g] = tokens[..., D:]
+    D, G = caches[0].shape[-1] // 2, len(caches)
+    for r, request_blocks in enumerate(blocks):
+        for g, cache in enumerate(caches):
+            tokens = cache[request_blocks.long()].permute(0, 2, 1, 3).flatten(0, 1)[:n]    # [n, H, 2D]
+            keys[:, r * G + g] = tokens[..., :D]
+            values[:, r * G + g] = tokens[..., D:]
 
 
 def scatter_kept_reference(caches: list[torch.Tensor], keys: torch.Tensor, values: torch.Tensor,

@@ -147,5 +147,7 @@ def test_load_at_capacity_and_e2e_on_one_engine(tmp_path):
         # --step-trace: every step, and each token computed once (distinct prompts, no preemption)
         trace = shape["load"]["step_trace"]
         assert len(trace) == shape["load"]["steps"]
-        assert sum(tokens for _, tokens, _, _ in trace) == 4 * 512 + 4 * (8 - 1)
-        assert sum(decode_only for *_, decode_only in trace) == shape["load"]["decode_steps"]
+        assert sum(row[1] for row in trace) == 4 * 512 + 4 * (8 - 1)
+        assert sum(row[3] for row in trace) == shape["load"]["decode_steps"]
+        assert all(row[0] >= row[4] + row[5] + row[6] > 0 for row in trace)  # host time inside the step
+        assert sum(row[7] for row in trace) == 4  # each request compacted once (one-shot, 10%)

@@ -1,8 +1,8 @@
 """kernels/paged_kv.py: multi-layer prompt gather and kept-token scatter against their torch references.
 
 Fresh random inputs: separate cache tensors per layer (as vLLM allocates them, so the launch reaches them
-through offsets from the first, in either direction), a shuffled prompt block list with a partial last
-page, strided [n, G, H, D] buffers, and uneven per-head kept sets (-1 = evicted). CPU (CI): the kernels in
+through offsets from the first, in either direction), three requests' shuffled prompt block lists with a
+partial last page gathered in one launch, strided [n, R*G, H, D] buffers, and uneven per-head kept sets (-1 = evicted). CPU (CI): the kernels in
 the Triton interpreter (subprocess). GPU (``-m gpu``): the compiled kernels, bf16."""
 
 from __future__ import annotations
@@ -25,16 +25,21 @@ def check(device: str, seed: int, dtype=torch.float32) -> None:
                   for _ in range(num_layers)]
         if seed % 2:
             caches.reverse()  # negative offsets from the first cache
-        blocks = torch.randperm(num_blocks, generator=gen)[: -(-n // page)].to(device=device, dtype=torch.int32)
+        # three requests' prompts (rows of block ids, one padded past what its n tokens read)
+        blocks = torch.stack([torch.randperm(num_blocks, generator=gen)[: -(-n // page) + 1] for _ in range(3)])
+        blocks = blocks.to(device=device, dtype=torch.int32)
 
-        # gather into strided buffers ([n, G, H, 2D] split into K and V halves)
-        packed = torch.full((n, num_layers, H, 2 * D), float("nan"), device=device, dtype=dtype)
+        # gather into strided buffers ([n, R*G, H, 2D] split into K and V halves)
+        packed = torch.full((n, 3 * num_layers, H, 2 * D), float("nan"), device=device, dtype=dtype)
         keys, values = packed[..., :D], packed[..., D:]
         gather_prompt(caches, blocks, n, keys, values)
-        ref_k = torch.empty(n, num_layers, H, D, device=device, dtype=dtype)
+        ref_k = torch.empty(n, 3 * num_layers, H, D, device=device, dtype=dtype)
         ref_v = torch.empty_like(ref_k)
         gather_prompt_reference(caches, blocks, n, ref_k, ref_v)
         assert torch.equal(keys, ref_k) and torch.equal(values, ref_v)
+        one = torch.empty(n, num_layers, H, D, device=device, dtype=dtype)
+        gather_prompt_reference(caches, blocks[2:], n, one, torch.empty_like(one))  # request 2 alone
+        assert torch.equal(keys[:, 2 * num_layers:], one)
 
         # scatter: each (layer, head) keeps a random subset to distinct fresh slots
         fresh = torch.stack([torch.randperm(num_blocks * H * page, generator=gen)[: n * H].view(n, H)
@@ -69,7 +74,7 @@ def test_reference_by_hand():
     H, page, D = 2, 2, 1
     cache = torch.arange(4 * H * page * 2 * D, dtype=torch.float32).view(4, H, page, 2 * D)
     keys, values = torch.empty(3, 1, H, D), torch.empty(3, 1, H, D)
-    gather_prompt_reference([cache], torch.tensor([2, 0]), 3, keys, values)
+    gather_prompt_reference([cache], torch.tensor([[2, 0]]), 3, keys, values)
     # token 0 -> block 2 offset 0; token 2 -> block 0 offset 0; head 1 is 2*page*2D = 4 further on
     assert keys[:, 0, 0, 0].tolist() == [16.0, 18.0, 0.0] and values[:, 0, 1, 0].tolist() == [21.0, 23.0, 5.0]
     slots = torch.tensor([[[-1, 3], [0, -1], [-1, -1]]])                       # [G=1, n=3, H=2]

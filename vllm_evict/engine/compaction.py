@@ -147,16 +147,21 @@ def select_group(config: EvictionConfig, q_window: torch.Tensor | None, keys: to
 def compaction_slots(keep: torch.Tensor, page_counts: torch.Tensor, fresh_blocks: torch.Tensor,
                      page_size: int, num_blocks: int | torch.Tensor | None = None) -> torch.Tensor:
     """Destination slot [..., E, H] (int64, -1 = evicted) of every prompt token of every head, for kept
-    masks [..., H, E] and pages per head [..., H] (leading axes: layers), laid out over the first
-    `num_blocks` fresh blocks (default: all; a device scalar is read without a host sync).
+    masks [..., H, E] and pages per head [..., H] (leading axes: layers, or requests then layers), laid out
+    over the first `num_blocks` fresh blocks (default: all; a device scalar is read without a host sync)
+    of fresh_blocks [F], or [R, F] for R requests (the leading axis of keep).
 
     Slots address the per-head page view: slot = page * page_size + offset."""
     num_heads = keep.shape[-2]
-    num_pages = fresh_blocks.numel() if num_blocks is None else num_blocks
+    num_pages = fresh_blocks.shape[-1] if num_blocks is None else num_blocks
     counts = page_counts.unsqueeze(-1)
     virtual = torch.cumsum(keep, dim=-1) - 1                          # rank among the head's kept tokens
     flat = torch.cumsum(counts, -2) - counts + virtual // page_size
-    block = fresh_blocks.to(torch.int64)[flat % num_pages]
+    index = flat % num_pages
+    if fresh_blocks.dim() == 2:  # each request's own row
+        rows = torch.arange(fresh_blocks.shape[0], device=index.device) * fresh_blocks.shape[1]
+        index = index + rows.view(-1, *[1] * (index.dim() - 1))
+    block = fresh_blocks.to(torch.int64).reshape(-1)[index]
     slot = (block * num_heads + flat // num_pages) * page_size + virtual % page_size
     return torch.where(keep, slot, -1).transpose(-1, -2)
 
@@ -209,7 +214,7 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     """Score, select and move the tokens each request holds at its next compaction point (request_config.Point:
     its prompt up to E, or, evicting again, its kept pages and the tokens since) into their blocks, in every
     layer. Several requests (one batch_key) fold into the head axis next to the layers, so one scoring call,
-    one selection and one slot computation serve all of them.
+    one selection, one slot computation, one gather and one write launch per layer group serve all of them.
 
     requests: (state, prompt_blocks, fresh_blocks) each: the worker's WorkerEviction and the blocks read /
     written, on the cache's device; the written blocks may be the first read ones (compaction in place):
@@ -225,10 +230,15 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     state, cache = requests[0][0], layers[0][1]
     point, config = state.point, state.point.config
     fixed, R = point.fixed, len(requests)
+    states = [each for each, _, _ in requests]
     assert R == 1 or len({batch_key(s) for s, _, _ in requests} - {None}) == 1, "requests of one batch key"
     per_head = not state.stock_layout
     assert not (followers and per_head), "a draft model's layers follow stock-layout (uniform) requests only"
     held = max(s.gathered_tokens for s, _, _ in requests)
+    # one point geometry (batch_key): equal block counts, a row per request (per-head requests read theirs
+    # head by head)
+    written = torch.stack([blocks for _, _, blocks in requests])
+    read = None if per_head else torch.stack([blocks for _, blocks, _ in requests])
     groups = layer_groups(layers, held * R, cache.num_heads, cache.head_dim, cache.gathered_itemsize)
     options = {**config.score_options(), "window": point.window, "sink": point.sink, "future_rotation": rotation}
     # Ada-KV under TP: the layout spans the blocks of the fullest rank over all layers, known once every
@@ -240,7 +250,7 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
         if per_head:
             keys, values, lengths = _gather_heads(cache, group, requests, held)
         else:
-            keys, values = _gather(cache, group, [blocks for _, blocks, _ in requests], held)
+            keys, values = _gather(cache, group, read, held)
         G, H, D = len(group), cache.num_heads, cache.head_dim
         q_window = None
         if state.window:  # [w, R, G, Hq, D] of every request's [L, w, Hq, D]
@@ -273,26 +283,23 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
                 state.positions[index] = kept_positions[i]
             state.positions_at = point.at
         if not deferred:
-            for r, (each, _, fresh_blocks) in enumerate(requests):
-                _write_group(each, group, keys[:, r], values[:, r], keep[r], counts[r], fresh_blocks)
+            _write_group(states, group, keys, values, keep, counts, written)
             for i, (index, _) in enumerate(group):
                 for follower in (followers or {}).get(index, ()):
-                    follower_keys, follower_values = _gather(cache, [follower], [blocks for _, blocks, _ in requests], held)
-                    for r, (each, _, fresh_blocks) in enumerate(requests):
-                        _write_group(each, [follower], follower_keys[:, r], follower_values[:, r], keep[r, i: i + 1],
-                                     counts[r, i: i + 1], fresh_blocks)
+                    follower_keys, follower_values = _gather(cache, [follower], read, held)
+                    _write_group(states, [follower], follower_keys, follower_values, keep[:, i: i + 1],
+                                 counts[:, i: i + 1], written)
             continue
         fullest = heads.all_heads(counts[0].sum(dim=1, keepdim=True)).amax()  # pages of the fullest rank's layer
         used = fullest if used is None else torch.maximum(used, fullest)
         selected.append((group, keep[0], counts[0]))
     if deferred:
-        (_, prompt_blocks, fresh_blocks), = requests
         used = (used + cache.num_heads - 1) // cache.num_heads
         for i, (group, keep, counts) in enumerate(selected):
             if i < len(selected) - 1:  # the last group's K/V are still gathered (the others' layers unwritten)
                 keys, values = (_gather_heads(cache, group, requests, held)[:2] if per_head
-                                else _gather(cache, group, [prompt_blocks], held))
-            _write_group(state, group, keys[:, 0], values[:, 0], keep, counts, fresh_blocks, used)
+                                else _gather(cache, group, read, held))
+            _write_group(states, group, keys, values, keep[None], counts[None], written, used)
     return used
 
 
@@ -323,14 +330,13 @@ def _token_context(state, point, positions: torch.Tensor, group: list, heads: KV
                         compaction=point.index, seed=state.spec.config.seed or 0)
 
 
-def _gather(cache, group: list, blocks: list[torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """keys, values [n, R, G, H, D] of the first n held tokens of R requests (their blocks) in a layer group."""
-    keys = torch.empty(n, len(blocks), len(group), cache.num_heads, cache.head_dim, dtype=cache.dtype,
+def _gather(cache, group: list, blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys, values [n, R, G, H, D] of the first n held tokens of R requests (blocks [R, >= cdiv(n, page)])
+    in a layer group: one launch."""
+    keys = torch.empty(n, blocks.shape[0], len(group), cache.num_heads, cache.head_dim, dtype=cache.dtype,
                        device=cache.device)
     values = torch.empty_like(keys)
-    caches = [layer_cache for _, layer_cache in group]
-    for r, request_blocks in enumerate(blocks):
-        cache.gather_layers(caches, request_blocks, n, keys[:, r], values[:, r])
+    cache.gather_layers([layer_cache for _, layer_cache in group], blocks, n, keys, values)
     return keys, values
 
 
@@ -369,15 +375,19 @@ def _gather_heads(cache, group: list, requests: list[tuple], n: int) -> tuple:
     return keys, values, held
 
 
-def _write_group(state, group: list, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor,
+def _write_group(states: list, group: list, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor,
                  counts: torch.Tensor, fresh_blocks: torch.Tensor, num_blocks: torch.Tensor | None = None) -> None:
-    """Write a layer group's kept tokens (keep [G, H, E], counts [G, H]) and record its layout."""
+    """Write a layer group's kept tokens of R requests (keys/values [E, R, G, H, D], keep [R, G, H, E], counts
+    [R, G, H], fresh_blocks [R, F]) in one launch, and record each request's layout."""
     caches = [layer_cache for _, layer_cache in group]
-    slots = compaction_slots(keep, counts, fresh_blocks, state.page_size, num_blocks).contiguous()
-    caches[0].write_layers(caches, keys, values, slots)
+    E, R, G = keys.shape[:3]
+    slots = compaction_slots(keep, counts, fresh_blocks, states[0].page_size, num_blocks)    # [R, G, E, H]
+    caches[0].write_layers(caches * R, keys.view(E, R * G, *keys.shape[3:]), values.view(E, R * G, *keys.shape[3:]),
+                           slots.reshape(R * G, E, -1).contiguous())
     kept = keep.sum(dim=-1)
-    for i, ((index, _), layer_counts, layer_kept) in enumerate(zip(group, counts.unbind(), kept.unbind())):
-        state.layers[index] = LayerCompaction(page_counts=layer_counts, kept=layer_kept)
-        if DUMP_DIR:  # kept sets for offline comparison with a reference (GPU checks)
-            point = f".c{state.done}" if state.chunk else ""  # block-wise: one file per compaction
-            torch.save(keep[i].cpu(), os.path.join(DUMP_DIR, f"{state.req_id}{point}.L{index}.pt"))
+    for state, request_keep, request_counts, request_kept in zip(states, keep, counts, kept):
+        for i, (index, _) in enumerate(group):
+            state.layers[index] = LayerCompaction(page_counts=request_counts[i], kept=request_kept[i])
+            if DUMP_DIR:  # kept sets for offline comparison with a reference (GPU checks)
+                point = f".c{state.done}" if state.chunk else ""  # block-wise: one file per compaction
+                torch.save(request_keep[i].cpu(), os.path.join(DUMP_DIR, f"{state.req_id}{point}.L{index}.pt"))

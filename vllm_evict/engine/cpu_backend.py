@@ -56,9 +56,10 @@ class CpuPagedCache:
     @staticmethod
     def gather_layers(caches: list["CpuPagedCache"], blocks: torch.Tensor, n: int, keys: torch.Tensor,
                       values: torch.Tensor) -> None:
-        """keys/values [n, G, H, D] <- the first n prompt tokens (in `blocks`) of G layers."""
-        for g, cache in enumerate(caches):
-            keys[:, g], values[:, g] = cache.gather_prefix(blocks, n)
+        """keys/values [n, R, G, H, D] <- the first n prompt tokens of R requests (blocks [R, nb]) in G layers."""
+        for r, request_blocks in enumerate(blocks):
+            for g, cache in enumerate(caches):
+                keys[:, r, g], values[:, r, g] = cache.gather_prefix(request_blocks, n)
 
     @staticmethod
     def gather_held(caches: list["CpuPagedCache"], slots: torch.Tensor, keys: torch.Tensor,

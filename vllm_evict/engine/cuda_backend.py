@@ -93,8 +93,10 @@ class CudaPagedCache:
     @staticmethod
     def gather_layers(caches: list["CudaPagedCache"], blocks: torch.Tensor, n: int, keys: torch.Tensor,
                       values: torch.Tensor) -> None:
-        """keys/values [n, G, H, D] <- the first n prompt tokens (in `blocks`) of G layers: one launch."""
-        gather_prompt([c.kv_cache for c in caches], blocks, n, keys, values)
+        """keys/values [n, R, G, H, D] (contiguous) <- the first n prompt tokens of R requests (blocks [R, nb])
+        in G layers: one launch."""
+        rows = (n, keys.shape[1] * len(caches), *keys.shape[3:])
+        gather_prompt([c.kv_cache for c in caches], blocks, n, keys.view(rows), values.view(rows))
 
     @staticmethod
     def gather_held(caches: list["CudaPagedCache"], slots: torch.Tensor, keys: torch.Tensor,
