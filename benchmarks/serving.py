@@ -122,7 +122,7 @@ class Driver:
         self.vocab = 1000
         self.scheduled = (0, 0)  # the last step's (tokens, requests), read off the scheduler's output
         self.host_ms = [0.0, 0.0, 0.0]  # the last step's host time in schedule, execute_model, update_from_output
-        self.plan = [0, 0]  # vllm-evict (in process): requests the last step compacted, whether it ran per head
+        self.plan = [0, 0]  # vllm-evict (in process): requests the last step compacted, its attention (--step-trace)
         schedule = self.scheduler.schedule
 
         def counted_schedule(*a, **kw):
@@ -151,7 +151,7 @@ class Driver:
                 build_plan(*a, **kw)
                 if STATE.plan is not None:
                     self.plan[0] += len(STATE.plan.compacting)
-                    self.plan[1] |= int(STATE.plan.needs_per_head_graph or STATE.plan.per_head)
+                    self.plan[1] = max(self.plan[1], 2 if STATE.plan.per_head else int(STATE.plan.stages_queries))
             STATE.build_plan = traced_plan
 
     def prompt(self, n: int, prefix: list[int] | None = None) -> list[int]:
@@ -805,6 +805,16 @@ def _decode_configs(*configs: dict) -> list[str]:
     return ["--decode-configs", *[json.dumps(c) for c in configs]]
 
 
+def _reasoning_plan(budget: int, allocation: str) -> list[tuple]:
+    """vanilla's run of the reasoning shape and its physical limit at decode budgets 1024 and 2048, then DropKV
+    and SnapKV at `budget` with `allocation`, an engine each (a cut run loses only its own figures)."""
+    seconds = 240 if budget == 1024 else 330  # the engine's start, then the load (about 100-200 s on an H100)
+    return [("vanilla", "limit,decode", REASONING_ARGS + REASONING_LIMIT, 400)] + [
+        ("evict", "decode", REASONING_ARGS + _decode_configs(
+            {"policy": policy, "decode_budget": budget, "allocation": allocation}), seconds)
+        for policy in ("dropkv", "snapkv")]
+
+
 PLANS = {
     # capacity: concurrent 32K-token requests until the first preemption (H100: vanilla's load at 32K / 512,
     # then DropKV shared-prefix load and capacity at 0.1 / 0.2, uniform / Ada-KV)
@@ -860,25 +870,10 @@ PLANS = {
         ("evict", "decode", DECODE_BUDGET_64K_POOL + _decode_configs(*[
             {"policy": policy, "decode_budget": budget} for budget in (512, 1024) for policy in ("dropkv", "snapkv")]),
          330)],
-    "reasoning-1k-4k-dropkv": [("vanilla", "decode", REASONING_ARGS, 330),
-                               ("evict", "decode", REASONING_ARGS + _decode_configs(
-                                   *[{"policy": "dropkv", "decode_budget": b} for b in (1024, 2048)]), 330)],
-    "reasoning-1k-4k-snapkv": [("vanilla", "decode", REASONING_ARGS, 300),
-                               ("evict", "decode", REASONING_ARGS + _decode_configs(
-                                   *[{"policy": "snapkv", "decode_budget": b} for b in (1024, 2048)]), 320)],
-    # vanilla's own run and the physical limit from its step times, then DropKV + Ada-KV at 1024
-    "reasoning-1k-4k-limit": [("vanilla", "limit,decode", REASONING_ARGS + REASONING_LIMIT, 380),
-                              ("evict", "decode", REASONING_ARGS + _decode_configs(
-                                  {"policy": "dropkv", "decode_budget": 1024, "allocation": "adakv"}), 260)],
-    "reasoning-1k-4k-adakv": [("vanilla", "decode", REASONING_ARGS, 300),
-                              ("evict", "decode", REASONING_ARGS + _decode_configs(
-                                  *[{"policy": policy, "decode_budget": 1024, "allocation": "adakv"}
-                                    for policy in ("dropkv", "snapkv")]), 300)],
-    # SnapKV + Ada-KV at 2048, and DropKV uniform at 1024 beside it
-    "reasoning-1k-4k-adakv-2048": [("vanilla", "decode", REASONING_ARGS, 300),
-                                   ("evict", "decode", REASONING_ARGS + _decode_configs(
-                                       {"policy": "snapkv", "decode_budget": 2048, "allocation": "adakv"},
-                                       {"policy": "dropkv", "decode_budget": 1024, "allocation": "uniform"}), 320)],
+    # decode-time eviction at the reasoning shape against its physical limit (vanilla's run measures it): DropKV
+    # and SnapKV at one decode budget and allocation, an engine each
+    **{f"reasoning-1k-4k-{budget}{'-adakv' if allocation == 'adakv' else ''}": _reasoning_plan(budget, allocation)
+       for budget in (1024, 2048) for allocation in ("uniform", "adakv")},
     # memory-bounded prefill on a pool capped at 64K tokens: vanilla against no / one-shot / block-wise KeyDiff
     # at 16K tokens per head, one request at a time (peak blocks, prefill time, longest servable prompt)
     "blockwise-memory-64k-pool": [
@@ -1101,7 +1096,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--step-trace", action="store_true",
                    help="record every step of a load as [ms, scheduled tokens, scheduled requests, decode-only, "
                         "host ms in schedule, execute_model and update_from_output, requests compacted, "
-                        "per-head attention (the last two: vllm-evict only)]")
+                        "attention (0: stock, 1: stock staging the queries, 2: per head) (the last two: vllm-evict "
+                        "only)]")
     return ap
 
 

@@ -71,11 +71,18 @@ def test_plans_as_documented(serving):
                 assert extra[extra.index("--num-requests") + 1] == "0"  # at capacity
             if "e2e" in suite:
                 assert extra[extra.index("--shapes") + 1] == "16384:512:64"
-    for name in ("reasoning-1k-4k-adakv", "reasoning-1k-4k-adakv-2048", "reasoning-1k-4k-snapkv"):
-        (vanilla, _, vanilla_args, _), (evict, _, evict_args, _) = plans[name]
-        assert (vanilla, evict) == ("vanilla", "evict") and vanilla_args == serving.REASONING_ARGS
-        assert evict_args[: len(vanilla_args)] == vanilla_args and "--decode-configs" in evict_args
-    assert '{"policy": "dropkv", "decode_budget": 1024, "allocation": "adakv"}' in plans["reasoning-1k-4k-limit"][1][2]
+    for budget in (1024, 2048):
+        for allocation in ("uniform", "adakv"):
+            name = f"reasoning-1k-4k-{budget}" + ("-adakv" if allocation == "adakv" else "")
+            (vanilla, suite, vanilla_args, _), *evicts = plans[name]
+            assert (vanilla, suite) == ("vanilla", "limit,decode")
+            assert vanilla_args[: len(serving.REASONING_ARGS)] == serving.REASONING_ARGS
+            configs = []
+            for engine, _, evict_args, _ in evicts:
+                assert engine == "evict" and evict_args[: len(serving.REASONING_ARGS)] == serving.REASONING_ARGS
+                configs += [json.loads(c) for c in evict_args[evict_args.index("--decode-configs") + 1:]]
+            assert configs == [{"policy": policy, "decode_budget": budget, "allocation": allocation}
+                               for policy in ("dropkv", "snapkv")]
     for name, policy in (("e2e-8k-2k-16k-512", "dropkv"), ("e2e-8k-2k-snapkv", "snapkv")):
         (vanilla, suite, vanilla_args, _), (evict, _, evict_args, _) = plans[name]
         assert (vanilla, evict, suite) == ("vanilla", "evict", "e2e")

@@ -5,10 +5,11 @@ and slots, replayed inside vLLM's FULL decode graphs) and Ada-KV-compacted ones 
 replayed inside per-head FULL decode graphs), plus a block-wise KeyDiff request (chunked=true) that
 compacts in place every 64 prompt tokens (the CUDA gather / write kernels on overlapping blocks) and three
 decode-budget requests that compact in place every 16 or 32 generated tokens, one of them query-based
-(SnapKV: window queries recorded from the per-head graphs' staged queries). The Ada-KV requests stop
-early, so the decode steps first hold per-head rows (per-head graphs), then only stock-layout rows (vLLM's
-graphs, or per-head graphs for the steps that record queries or compact); the test records the
-dispatcher's choices, requires each kind of FULL step, and requires every decode-only step to be FULL.
+(SnapKV: window queries recorded from the graphs' staged queries). The Ada-KV requests stop early, so the
+decode steps first hold per-head rows (per-head graphs), then only stock-layout rows (vLLM's graphs, or
+staged graphs, vLLM's attention staging the queries, for the steps that record queries or compact); the
+test records the dispatcher's choices, requires each kind of FULL step, and requires every decode-only step
+to be FULL.
 It runs twice with graphs: per-head graphs that let FlashAttention split KV, and graphs that do not
 (per_head.SPLIT_KV_RATIO and SPLIT_KV_MIN_TOKENS forcing either choice), each against the run without graphs.
 
@@ -59,12 +60,12 @@ def generate(model, **engine_overrides):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from tests.engine.inprocess import stdout_with_a_file_descriptor
-    from vllm_evict.engine.step import PerHeadDecodeBatch
+    from vllm_evict.engine.step import PerHeadDecodeBatch, StagedDecodeBatch
     from vllm_evict.engine.worker import STATE
     from vllm_evict.testing.engines import make_llm
 
-    # (mode, plan has compacted rows, per-head rows, per-head graph, decode only, records queries or compacts)
-    # of every real step
+    # (mode, plan has compacted rows, per-head rows, per-head graph, decode only, records queries or compacts,
+    # staged graph) of every real step
     modes, splits = [], []  # splits: split_kv of every per-head graph step
     # Recorded where the runner receives the dispatcher's final answer (after the plugin's hooks).
     hooked = GPUModelRunner._determine_batch_execution_and_padding
@@ -77,7 +78,7 @@ def generate(model, **engine_overrides):
             per_head_graph = isinstance(desc, PerHeadDecodeBatch)
             modes.append((mode, bool(plan.compacted_rows), plan.per_head, per_head_graph,
                           int(self.query_start_loc.np[plan.num_reqs]) == plan.num_reqs,
-                          bool(plan.captures or plan.compacting)))
+                          bool(plan.captures or plan.compacting), isinstance(desc, StagedDecodeBatch)))
             if per_head_graph:
                 splits.append(desc.split_kv)
         return result
@@ -117,16 +118,20 @@ def test_full_graphs_match_no_graphs(tiny_llama, no_graphs, split_kv, monkeypatc
     graphs, modes, splits = generate(tiny_llama)
     assert splits and set(splits) == {split_kv}, f"per-head graphs replayed with split_kv {set(splits)}"
     summary = {k: modes.count(k) for k in set(modes)}  # (FULL?, compacted?, per-head rows?, per-head graph?,
-    #                                                    decode only?, records or compacts?) -> steps
-    assert any(full and compacted and not per_head and not work for full, compacted, per_head, _, _, work in modes), \
+    #                                                    decode only?, records or compacts?, staged graph?) -> steps
+    assert any(full and compacted and not per_head and not work for full, compacted, per_head, _, _, work, _ in modes), \
         f"no stock FULL graph step with compacted rows: {summary}"
-    assert any(full and per_head and graph for full, _, per_head, graph, _, _ in modes), \
+    assert any(full and per_head and graph for full, _, per_head, graph, _, _, _ in modes), \
         f"no per-head FULL graph step: {summary}"
-    assert any(full and graph and work for full, _, per_head, graph, _, work in modes), \
+    assert any(full and graph and work for full, _, _, graph, _, work, _ in modes), \
         f"no per-head FULL graph step that records window queries or compacts: {summary}"
-    assert all(graph == (full and (per_head or work)) for full, _, per_head, graph, _, work in modes), \
-        f"a per-head graph for a step that needs none, or a step that needs one in a stock graph: {summary}"
-    assert all(full for full, _, _, _, decode_only, _ in modes if decode_only), f"a decode-only step not FULL: {summary}"
+    assert any(full and staged and work for full, _, _, _, _, work, staged in modes), \
+        f"no staged FULL graph step that records window queries or compacts: {summary}"
+    assert all(graph == (full and per_head) for full, _, per_head, graph, _, _, _ in modes), \
+        f"a per-head graph for a step without per-head rows, or such a step in another graph: {summary}"
+    assert all(staged == (full and work and not per_head) for full, _, per_head, _, _, work, staged in modes), \
+        f"a staged graph for a step that needs none, or such a step in another graph: {summary}"
+    assert all(full for full, _, _, _, decode_only, _, _ in modes if decode_only), f"a decode-only step not FULL: {summary}"
     for i, (a, b) in enumerate(zip(graphs, no_graphs)):
         ga, gb = a.outputs[0], b.outputs[0]
         assert len(ga.token_ids) == len(gb.token_ids)

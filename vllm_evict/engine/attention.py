@@ -9,8 +9,9 @@ step's inputs, before that. Stock behaviour unless the plan says otherwise:
   sequences with their own page tables (see per_head.py) - KV write and attention both go through it.
   Uniform decode steps run it inside FULL CUDA graphs of their own (step.PerHeadDecodeBatch), with
   tables computed on device from persistent buffers; other steps build the tables eagerly. Decode steps
-  that capture window queries or compact replay the same graphs: they stage every layer's queries in a
-  persistent buffer, which the worker copies from after the forward;
+  that capture window queries or compact need every layer's queries after the forward: their graphs stage
+  them in a persistent buffer, which the worker copies from (the per-head graphs when the step holds
+  per-head rows, else vLLM's attention in graphs of their own, step.StagedDecodeBatch);
   uniformly compacted requests need nothing here (the worker shifted their lengths and slots);
 - compaction: worker.py compacts all layers at once after the model forward of a step in which requests
   reach their eviction point (compaction.py), reading the layers' caches itself, so the attention call
@@ -29,7 +30,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 
 from vllm_evict.engine import per_head
-from vllm_evict.engine.step import BUILD, per_head_graph_step
+from vllm_evict.engine.step import BUILD, StagedDecodeBatch, graph_step, per_head_graph_step
 
 
 # Quantized caches eviction handles: vLLM's FlashAttention fp8 (e4m3, per-layer k/v scales) on CUDA
@@ -52,6 +53,13 @@ def per_head_graph(attn_metadata):  # -> step.PerHeadDecodeBatch | None
     """The per-head FULL decode graph this layer's attention runs in: None outside one, and for the layers
     eviction leaves alone (a hybrid model's sliding-window layers: their builder holds no graph tables)."""
     graph = per_head_graph_step()
+    return graph if graph is not None and getattr(attn_metadata, "per_head_decode", None) is not None else None
+
+
+def staged_graph(attn_metadata):  # -> step.StagedDecodeBatch | None
+    """The FULL decode graph of stock attention that stages queries this layer runs in (None outside one, and
+    for the layers eviction leaves alone)."""
+    graph = graph_step(StagedDecodeBatch)
     return graph if graph is not None and getattr(attn_metadata, "per_head_decode", None) is not None else None
 
 
@@ -135,6 +143,10 @@ class EvictionAttentionMixin:
                                          self._cached_paged_cache(layer, kv_cache), attn_metadata, output,
                                          graph.split_kv)
             return output
+        if attn_metadata is not None and staged_graph(attn_metadata):  # captured once, replayed: no plan read
+            n = attn_metadata.seq_lens.shape[0]
+            staged = attn_metadata.per_head_decode.queries[extract_layer_index(layer.layer_name), :n]
+            staged.view(n, -1).copy_(query[:n].reshape(n, -1))
         if attn_metadata is None or plan is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)

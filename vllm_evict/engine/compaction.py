@@ -385,9 +385,10 @@ def _write_group(states: list, group: list, keys: torch.Tensor, values: torch.Te
     caches[0].write_layers(caches * R, keys.view(E, R * G, *keys.shape[3:]), values.view(E, R * G, *keys.shape[3:]),
                            slots.reshape(R * G, E, -1).contiguous())
     kept = keep.sum(dim=-1)
-    for state, request_keep, request_counts, request_kept in zip(states, keep, counts, kept):
-        for i, (index, _) in enumerate(group):
-            state.layers[index] = LayerCompaction(page_counts=request_counts[i], kept=request_kept[i])
+    for r, (state, request_counts, request_kept) in enumerate(zip(states, counts.unbind(), kept.unbind())):
+        for i, ((index, _), layer_counts, layer_kept) in enumerate(zip(group, request_counts.unbind(),
+                                                                        request_kept.unbind())):
+            state.layers[index] = LayerCompaction(page_counts=layer_counts, kept=layer_kept)
             if DUMP_DIR:  # kept sets for offline comparison with a reference (GPU checks)
                 point = f".c{state.done}" if state.chunk else ""  # block-wise: one file per compaction
-                torch.save(request_keep[i].cpu(), os.path.join(DUMP_DIR, f"{state.req_id}{point}.L{index}.pt"))
+                torch.save(keep[r, i].cpu(), os.path.join(DUMP_DIR, f"{state.req_id}{point}.L{index}.pt"))

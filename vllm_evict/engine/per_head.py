@@ -267,7 +267,7 @@ class DecodeGraphTables:
         rows = {r: plan.states[r].serial for r in plan.per_head_rows}
         if rows != self.loaded:
             self._load_rows(plan, rows)
-        if plan.needs_per_head_graph and plan.num_reqs != self.ordered_rows:
+        if plan.per_head and plan.num_reqs != self.ordered_rows:
             self._order(plan.num_reqs, seq_lens)
 
     def _load_rows(self, plan, rows: dict[int, int]) -> None:

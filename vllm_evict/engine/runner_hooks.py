@@ -13,16 +13,18 @@
   proposed (the drafter writes this step's tokens first), and the drafter's later steps address the
   compacted rows' KV at their shifted positions (`eagle_step_update_slot_mapping_and_metadata`);
 - `MultiGroupBlockTable.__init__`: the evicted group's rows widened for the fresh blocks;
-and the CUDA-graph dispatcher: steps that need the attention call (window capture, compaction, eager
-per-head tables) skip FULL graphs; uniform decode steps with per-head (Ada-KV) rows replay FULL graphs
-of their own, keyed by `PerHeadDecodeBatch` and captured next to vLLM's decode graphs.
+and the CUDA-graph dispatcher: uniform decode steps with per-head (Ada-KV) rows replay FULL graphs of
+their own, keyed by `PerHeadDecodeBatch`; those without per-head rows that record window queries or
+compact replay vLLM's attention in FULL graphs that also stage every layer's queries, keyed by
+`StagedDecodeBatch`; both are captured next to vLLM's decode graphs. Other steps that need the attention
+call (eager per-head tables) skip FULL graphs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from vllm_evict.engine.step import BUILD, PerHeadDecodeBatch
+from vllm_evict.engine.step import BUILD, PerHeadDecodeBatch, StagedDecodeBatch
 from vllm_evict.engine.warm_up import warm_up_scoring
 from vllm_evict.engine.worker import STATE
 
@@ -119,22 +121,27 @@ def install_runner_hooks() -> None:
         orig_block_table_init(self, *args, **kwargs)
 
     def dispatch(self, *args, invalid_modes=None, **kwargs):
-        # A step with per-head rows, window captures or compactions replays a per-head FULL graph if vLLM
-        # picked a FULL decode graph, else runs PIECEWISE or eager (the attention call does the work). Every
-        # other step keeps vLLM's choice.
-        # The split or unsplit graph as the plan chose, else the one this size has.
+        # Where vLLM picked a FULL decode graph: a step with per-head rows replays a per-head graph (the split
+        # or unsplit one as the plan chose, else the one this size has), a step that records window queries or
+        # compacts without them a staged graph; without such a graph it runs PIECEWISE or eager (the attention
+        # call does the work). Every other step keeps vLLM's choice.
         plan, capturing = STATE.plan, STATE.capturing
-        per_head = capturing is not None or (plan is not None and plan.needs_per_head_graph)
         mode, desc = orig_dispatch(self, *args, invalid_modes=invalid_modes, **kwargs)
-        if per_head and mode == CUDAGraphMode.FULL:
+        if mode != CUDAGraphMode.FULL:
+            return mode, desc
+        if isinstance(capturing, PerHeadDecodeBatch) or (capturing is None and plan is not None and plan.per_head):
             split = capturing.split_kv if capturing is not None else plan.split_kv
-            for choice in (split, not split):
-                per_head_desc = PerHeadDecodeBatch(**dataclasses.asdict(desc), split_kv=choice)
-                if per_head_desc in self.cudagraph_keys[CUDAGraphMode.FULL]:
-                    return mode, per_head_desc
-            invalid_modes = set(invalid_modes or ()) | {CUDAGraphMode.FULL}
-            return orig_dispatch(self, *args, invalid_modes=invalid_modes, **kwargs)
-        return mode, desc
+            choices = [PerHeadDecodeBatch(**dataclasses.asdict(desc), split_kv=s) for s in (split, not split)]
+        elif isinstance(capturing, StagedDecodeBatch) or (capturing is None and plan is not None
+                                                          and plan.stages_queries):
+            choices = [StagedDecodeBatch(**dataclasses.asdict(desc))]
+        else:
+            return mode, desc
+        for choice in choices:
+            if choice in self.cudagraph_keys[CUDAGraphMode.FULL]:
+                return mode, choice
+        invalid_modes = set(invalid_modes or ()) | {CUDAGraphMode.FULL}
+        return orig_dispatch(self, *args, invalid_modes=invalid_modes, **kwargs)
 
     def initialize_cudagraph_keys(self, *args, **kwargs):
         from vllm_evict.engine.per_head import MAX_SPLIT_SEQUENCES
@@ -144,12 +151,13 @@ def install_runner_hooks() -> None:
         for desc in list(self.cudagraph_keys[CUDAGraphMode.FULL]):
             if desc.uniform and self.uniform_decode_query_len == 1:  # one token per row (per_head.py)
                 fields = dataclasses.asdict(desc)
+                self.add_cudagraph_key(CUDAGraphMode.FULL, StagedDecodeBatch(**fields))
                 self.add_cudagraph_key(CUDAGraphMode.FULL, PerHeadDecodeBatch(**fields))
                 if desc.num_tokens * num_heads <= MAX_SPLIT_SEQUENCES:
                     self.add_cudagraph_key(CUDAGraphMode.FULL, PerHeadDecodeBatch(**fields, split_kv=True))
 
     def _warmup_and_capture(self, desc, *args, **kwargs):
-        STATE.capturing = desc if isinstance(desc, PerHeadDecodeBatch) else None
+        STATE.capturing = desc if isinstance(desc, (PerHeadDecodeBatch, StagedDecodeBatch)) else None
         try:
             return orig_warmup_and_capture(self, desc, *args, **kwargs)
         finally:

@@ -51,11 +51,11 @@ class StepPlan:
         return bool(self.per_head_rows)
 
     @property
-    def needs_per_head_graph(self) -> bool:
-        """A decode step of this plan replays a per-head FULL graph, not vLLM's: one with per-head rows, or one
-        that records window queries (the per-head graph stages every layer's queries) or compacts (after the
-        forward, from the staged queries)."""
-        return bool(self.per_head_rows or self.captures or self.compacting)
+    def stages_queries(self) -> bool:
+        """A decode step of this plan needs every layer's queries after the forward: it records window queries
+        or compacts (from the staged queries). In a FULL graph it replays a graph that stages them: the
+        per-head graph for a step with per-head rows, else vLLM's attention in a StagedDecodeBatch graph."""
+        return bool(self.captures or self.compacting)
 
 
 @dataclass(frozen=True)
@@ -68,12 +68,30 @@ class PerHeadDecodeBatch(BatchDescriptor):
     split_kv: bool = False
 
 
-def per_head_graph_step() -> PerHeadDecodeBatch | None:
-    """The per-head FULL decode graph this forward runs in (being captured: the plan is not read), or None."""
+@dataclass(frozen=True)
+class StagedDecodeBatch(BatchDescriptor):
+    """The key of a FULL decode graph of vLLM's own attention that also stages every layer's queries
+    (per_head.DecodeGraphTables.queries): decode steps that record window queries or compact but hold no
+    per-head rows (uniform allocation) keep the stock attention."""
+
+
+def graph_step(kind):
+    """The FULL decode graph of this kind (or kinds) this forward runs in (being captured: the plan is not
+    read), or None."""
     if not is_forward_context_available():
         return None
     desc = get_forward_context().batch_descriptor
-    return desc if isinstance(desc, PerHeadDecodeBatch) else None
+    return desc if isinstance(desc, kind) else None
+
+
+def per_head_graph_step() -> PerHeadDecodeBatch | None:
+    """The per-head FULL decode graph this forward runs in, or None."""
+    return graph_step(PerHeadDecodeBatch)
+
+
+def staging_graph_step() -> BatchDescriptor | None:
+    """The FULL decode graph this forward runs in if it stages every layer's queries (per-head or staged), or None."""
+    return graph_step((PerHeadDecodeBatch, StagedDecodeBatch))
 
 
 @dataclass

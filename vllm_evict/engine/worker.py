@@ -13,7 +13,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm_evict.engine.compaction import KVHeadGroup, compact_requests, compaction_batches
 from vllm_evict.engine.request_config import PLAN_KEY, parse_request
 from vllm_evict.engine.request_state import HostCopy, WorkerEviction
-from vllm_evict.engine.step import BUILD, Capture, PerHeadDecodeBatch, StepPlan, per_head_graph_step
+from vllm_evict.engine.step import BUILD, Capture, StepPlan, staging_graph_step
 from vllm_evict.engine.timing import CompactionTimer
 from vllm_evict.engine.window_store import WindowStore
 
@@ -32,7 +32,7 @@ class WorkerEvictionState:
         self.failed: dict[str, str] = {}         # request id -> why its compaction failed (not yet sent)
         self.trimmed: dict[str, int] = {}        # request id -> F' <= F fresh blocks it keeps (not yet sent)
         self.step_cache: dict = {}               # per_head's cross-step cache (StepPlan.cache)
-        self.capturing: PerHeadDecodeBatch | None = None  # the per-head graph being captured
+        self.capturing = None                    # the per-head or staged FULL graph being captured (step.py)
         self.num_sms = 0                         # the GPU's SMs (per_head.split_kv; 0: not CUDA)
         self.num_kv_heads = 0                    # this rank's KV heads per layer
         self.heads: KVHeadGroup | None = None    # this rank's KV heads (set with `layers`)
@@ -221,7 +221,7 @@ class WorkerEvictionState:
             plan.max_blocks = max(int(row_blocks.max()), 1)
         if compacted_rows:
             shift_positions(runner, plan, self.group)
-        if plan.needs_per_head_graph and self.num_sms:
+        if plan.per_head and self.num_sms:
             plan.split_kv = self._split_kv(runner, plan)
         self.plan = plan
 
@@ -253,12 +253,12 @@ class WorkerEvictionState:
             self.failed[state.req_id] = "a prefill chunk passed its eviction point"
 
     def after_forward(self, runner) -> None:
-        """After the model forward: record the window queries a per-head FULL graph staged (an eager
-        attention call recorded its own), then compact the requests that reached their point."""
+        """After the model forward: record the window queries a FULL graph staged (an eager attention call
+        recorded its own), then compact the requests that reached their point."""
         plan = self.plan
         if plan is None:
             return
-        if plan.capture_tokens is not None and per_head_graph_step():
+        if plan.capture_tokens is not None and staging_graph_step():
             self.windows.capture_all(staged_queries(), plan.capture_tokens, plan.capture_rows)
         if self.followers:  # a draft model's layers: compact once the drafter has written this step's tokens
             self.sampling_plan = plan
