@@ -947,7 +947,7 @@ def run_plan(args) -> int:
     config = PLAN_MODELS.get(args.plan, "llama-3.1-8b")
     model = ["--model", str(write_real_config(config, Path(args.workdir)))] if torch.cuda.is_available() else []
     for i, (engine, suite, extra, seconds) in enumerate(PLANS[args.plan]):
-        if args.engines and engine not in args.engines:
+        if (args.engines and engine not in args.engines) or (args.entries and i not in args.entries):
             continue
         out = out_dir / f"{args.plan}_{i}_{engine}_{suite.replace(',', '-')}.json"
         cmd = [sys.executable, __file__, "one", "--engine", engine, "--suite", suite, "--out", str(out),
@@ -1038,6 +1038,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--workdir", default="/tmp/vllm-evict-bench", help="where the GPU model config is written")
     r.add_argument("--engines", nargs="+", choices=["vanilla", "evict"], default=None,
                    help="run only these engines of the plan (e.g. one per GPU, side by side)")
+    r.add_argument("--entries", nargs="+", type=int, default=None,
+                   help="run only these entries of the plan, by position (0: the first engine run)")
     r.add_argument("extra", nargs=argparse.REMAINDER, help="passed to every engine run")
     o = sub.add_parser("one", help="one engine, one suite")
     o.add_argument("--engine", choices=["vanilla", "evict"], required=True)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One remote command on a machine of several GPUs: each JOB runs on a GPU of its own, all at once, so that
 # vanilla vLLM and vllm-evict (or several models) are measured in the same command on identical cards.
-#   JOB = PLAN:ENGINE (a benchmarks/serving.py plan's vanilla or evict engine), or test:PYTEST_ARGS
+#   JOB = PLAN:ENGINE (a benchmarks/serving.py plan's vanilla or evict engine; PLAN:ENGINE#I its entry I
+#         alone), or test:PYTEST_ARGS
 #         (pytest arguments, spaces as commas), or py:SCRIPT,ARGS (a python script of the checkout, spaces as
 #         commas; $OUT in ARGS is the job's own folder of files back), run on GPU index = the job's position.
 #         JOB+JOB+...: jobs one after another on that GPU.
@@ -20,7 +21,7 @@ mkdir -p /tmp/side
 gpu=0
 job_command() {  # the shell command of one JOB
   local job=$1 name args
-  name=$(echo "$job" | tr ':,/ $' '_____')
+  name=$(echo "$job" | tr ':,/ $#' '______')
   if [[ $job == test:* ]]; then
     args=${job#test:}
     # from /tmp, the checkout appended to sys.path: the installed-layout mirror first (as device_calls.sh)
@@ -33,11 +34,13 @@ job_command() {  # the shell command of one JOB
     echo "cd /tmp && python3 $PWD/${args//\$OUT/$OUT/$name}"
   else
     # from /tmp too: vLLM's model-inspection subprocess must not find the checkout's vllm_evict/ in its cwd
-    echo "cd /tmp && python3 $PWD/benchmarks/serving.py run --plan ${job%%:*} --engines ${job##*:} --out-dir /tmp/side/$name ${SERVING_EXTRA:+-- $SERVING_EXTRA}"
+    local engine=${job##*:} entries=""
+    [[ $engine == *#* ]] && entries="--entries ${engine#*#}" && engine=${engine%%#*}
+    echo "cd /tmp && python3 $PWD/benchmarks/serving.py run --plan ${job%%:*} --engines $engine $entries --out-dir /tmp/side/$name ${SERVING_EXTRA:+-- $SERVING_EXTRA}"
   fi
 }
 for slot in "$@"; do
-  name=$(echo "$slot" | tr ':,/ $+' '______')
+  name=$(echo "$slot" | tr ':,/ $+#' '_______')
   cmd=""
   IFS='+' read -ra jobs <<< "$slot"
   for job in "${jobs[@]}"; do cmd+="${cmd:+; }$(job_command "$job")"; done
