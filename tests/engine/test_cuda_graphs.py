@@ -42,10 +42,11 @@ CASES = [None, {"policy": "dropkv", "budget": 0.25}, {"policy": "streaming", "bu
          {"policy": "keydiff", "decode_budget": 64, "decode_every": 16},
          {"policy": "random", "budget": 0.25, "decode_budget": 48, "decode_every": 32, "protect_prompt": True},
          {"policy": "snapkv", "decode_budget": 64, "decode_every": 32},
-         # Ada-KV evicting again: uneven heads in per-head FULL graphs, re-laid out at every point
+         # Ada-KV evicting again: uneven heads in per-head FULL graphs, re-laid out at every point (one before
+         # the Ada-KV requests stop at SHORT tokens, so that the later decode points run in staged graphs)
          {"policy": "dropkv", "decode_budget": 64, "decode_every": 16, "allocation": "adakv"},
          {"policy": "snapkv", "budget": 96, "chunked": True, "chunk_size": 64, "allocation": "adakv",
-          "decode_budget": 80, "decode_every": 32}]
+          "decode_budget": 80, "decode_every": 16}]
 
 
 def prompts():
@@ -88,8 +89,7 @@ def generate(model, **engine_overrides):
         with stdout_with_a_file_descriptor():
             llm = make_llm(model, dtype="bfloat16", block_size=PAGE, max_model_len=2048,
                            kv_cache_memory_bytes=1 << 30, max_num_seqs=16, seed=0, **engine_overrides)
-        params = [SamplingParams(temperature=0, max_tokens=SHORT if c and c.get("allocation") == "adakv"
-                                 and "decode_budget" not in c else LONG,
+        params = [SamplingParams(temperature=0, max_tokens=SHORT if c and c.get("allocation") == "adakv" else LONG,
                                  ignore_eos=True, logprobs=5, extra_args={"vllm_evict": c} if c else None)
                   for c in CASES]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params)
