@@ -111,7 +111,7 @@ def make_engine(args):
 class Driver:
     """Adds requests to an in-process LLMEngine and steps it, timing every step."""
 
-    def __init__(self, engine, seed: int):
+    def __init__(self, engine, seed: int, trace: bool = False):
         import torch
 
         self.engine = engine
@@ -121,16 +121,16 @@ class Driver:
         self.counter = 0
         self.vocab = 1000
         self.scheduled = (0, 0)  # the last step's (tokens, requests), read off the scheduler's output
-        self.host_ms = [0.0, 0.0, 0.0]  # the last step's host time in schedule, execute_model, update_from_output
-        self.plan = [0, 0]  # vllm-evict (in process): requests the last step compacted, its attention (--step-trace)
+        # --step-trace: the last step's host time in schedule, execute_model, update_from_output, and (vllm-evict,
+        # in process) the requests it compacted and its attention
+        self.host_ms = [0.0, 0.0, 0.0]
+        self.plan = [0, 0]
         schedule = self.scheduler.schedule
 
-        def counted_schedule(*a, **kw):
-            output = timed(0, schedule)(*a, **kw)
-            self.scheduled = (output.total_num_scheduled_tokens, len(output.num_scheduled_tokens))
-            return output
-
         def timed(slot, fn):
+            if not trace:
+                return fn
+
             def call(*a, **kw):
                 t0 = time.perf_counter()
                 try:
@@ -139,10 +139,16 @@ class Driver:
                     self.host_ms[slot] += 1e3 * (time.perf_counter() - t0)
             return call
 
+        def counted_schedule(*a, **kw):
+            output = timed_schedule(*a, **kw)
+            self.scheduled = (output.total_num_scheduled_tokens, len(output.num_scheduled_tokens))
+            return output
+
+        timed_schedule = timed(0, schedule)
         self.scheduler.schedule = counted_schedule
         core.model_executor.execute_model = timed(1, core.model_executor.execute_model)
         self.scheduler.update_from_output = timed(2, self.scheduler.update_from_output)
-        if os.environ.get("VLLM_PLUGINS") != "none":  # the worker runs in this process (uniproc executor)
+        if trace and os.environ.get("VLLM_PLUGINS") != "none":  # the worker runs in this process (uniproc executor)
             from vllm_evict.engine.worker import STATE
 
             build_plan = STATE.build_plan
@@ -720,7 +726,7 @@ def run_one(args) -> dict:
 
     sched = engine.engine_core.engine_core.scheduler
     blocks = sched.kv_cache_manager.block_pool.num_gpu_blocks
-    drv = Driver(engine, args.seed)
+    drv = Driver(engine, args.seed, args.step_trace)
     result: dict = {}
     for suite in args.suite.split(","):  # several suites share one engine start
         if suite == "limit" and args.engine != "vanilla":

@@ -149,5 +149,6 @@ def test_load_at_capacity_and_e2e_on_one_engine(tmp_path):
         assert len(trace) == shape["load"]["steps"]
         assert sum(row[1] for row in trace) == 4 * 512 + 4 * (8 - 1)
         assert sum(row[3] for row in trace) == shape["load"]["decode_steps"]
-        assert all(row[0] >= row[4] + row[5] + row[6] > 0 for row in trace)  # host time inside the step
+        # host time inside the step (each figure rounded to a microsecond on its own)
+        assert all(row[0] + 0.01 >= row[4] + row[5] + row[6] > 0 for row in trace)
         assert sum(row[7] for row in trace) == 4  # each request compacted once (one-shot, 10%)

@@ -30,7 +30,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 
 from vllm_evict.engine import per_head
-from vllm_evict.engine.step import BUILD, StagedDecodeBatch, graph_step, per_head_graph_step
+from vllm_evict.engine.step import BUILD, PerHeadDecodeBatch, StagedDecodeBatch, graph_step
 
 
 # Quantized caches eviction handles: vLLM's FlashAttention fp8 (e4m3, per-layer k/v scales) on CUDA
@@ -49,18 +49,16 @@ def check_cache_dtype(cache_dtype: str, cuda: bool) -> None:
                      "to serve it without eviction")
 
 
+def layer_graph(kind, attn_metadata):
+    """The FULL decode graph of this kind (step.PerHeadDecodeBatch or step.StagedDecodeBatch) this layer's
+    attention runs in: None outside one, and for the layers eviction leaves alone (a hybrid model's
+    sliding-window layers: their builder holds no graph tables)."""
+    graph = graph_step(kind)
+    return graph if graph is not None and getattr(attn_metadata, "per_head_decode", None) is not None else None
+
+
 def per_head_graph(attn_metadata):  # -> step.PerHeadDecodeBatch | None
-    """The per-head FULL decode graph this layer's attention runs in: None outside one, and for the layers
-    eviction leaves alone (a hybrid model's sliding-window layers: their builder holds no graph tables)."""
-    graph = per_head_graph_step()
-    return graph if graph is not None and getattr(attn_metadata, "per_head_decode", None) is not None else None
-
-
-def staged_graph(attn_metadata):  # -> step.StagedDecodeBatch | None
-    """The FULL decode graph of stock attention that stages queries this layer runs in (None outside one, and
-    for the layers eviction leaves alone)."""
-    graph = graph_step(StagedDecodeBatch)
-    return graph if graph is not None and getattr(attn_metadata, "per_head_decode", None) is not None else None
+    return layer_graph(PerHeadDecodeBatch, attn_metadata)
 
 
 def step_plan(attn_metadata):  # -> step.StepPlan | None
@@ -143,7 +141,7 @@ class EvictionAttentionMixin:
                                          self._cached_paged_cache(layer, kv_cache), attn_metadata, output,
                                          graph.split_kv)
             return output
-        if attn_metadata is not None and staged_graph(attn_metadata):  # captured once, replayed: no plan read
+        if attn_metadata is not None and layer_graph(StagedDecodeBatch, attn_metadata):  # captured once, replayed: no plan read
             n = attn_metadata.seq_lens.shape[0]
             staged = attn_metadata.per_head_decode.queries[extract_layer_index(layer.layer_name), :n]
             staged.view(n, -1).copy_(query[:n].reshape(n, -1))

@@ -84,11 +84,6 @@ def graph_step(kind):
     return desc if isinstance(desc, kind) else None
 
 
-def per_head_graph_step() -> PerHeadDecodeBatch | None:
-    """The per-head FULL decode graph this forward runs in, or None."""
-    return graph_step(PerHeadDecodeBatch)
-
-
 def staging_graph_step() -> BatchDescriptor | None:
     """The FULL decode graph this forward runs in if it stages every layer's queries (per-head or staged), or None."""
     return graph_step((PerHeadDecodeBatch, StagedDecodeBatch))
