@@ -91,11 +91,14 @@ def make_engine(args):
     kwargs.update(block_size=16, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.prefix_caching, seed=0,
                   skip_tokenizer_init=True, enforce_eager=args.enforce_eager)
-    if args.tensor_parallel_size > 1:  # worker processes; the engine core stays here (its scheduler is read)
-        kwargs.update(tensor_parallel_size=args.tensor_parallel_size, distributed_executor_backend="mp")
+    workers = args.tensor_parallel_size * args.pipeline_parallel_size
+    if workers > 1:  # worker processes (or Ray actors); the engine core stays here (its scheduler is read)
+        kwargs.update(tensor_parallel_size=args.tensor_parallel_size,
+                      pipeline_parallel_size=args.pipeline_parallel_size,
+                      distributed_executor_backend=args.distributed_executor_backend)
         if not on_gpu:  # vLLM binds each CPU worker to a NUMA node of its own unless given cores
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
-                str(i % os.cpu_count()) for i in range(args.tensor_parallel_size)))
+                str(i % os.cpu_count()) for i in range(workers)))
     if args.engine == "evict":
         from vllm_evict.engine import engine_kwargs
         from vllm_evict.engine.request_config import LONG_PROMPTS_ENV
@@ -763,6 +766,8 @@ DECODE_STEP = ["--ttft-cases", "--kv-len", "1024", "--max-model-len", "8192", "-
 E2E_8K_16K = ["--shapes", "8192:2048:86", "16384:512:64", "--max-model-len", "16896"]
 E2E_8K = E2E_8K_16K[:2] + E2E_8K_16K[3:]  # 86 x 8K in / 2K out only
 TP2_E2E = ["--tensor-parallel-size", "2", "--shapes", "16384:512:96", "--max-model-len", "16896"]
+PP2_E2E = ["--pipeline-parallel-size", "2", "--shapes", "16384:512:96", "--max-model-len", "16896"]
+RAY = ["--distributed-executor-backend", "ray"]
 # decode-time eviction: 64 x 1K in / 2K out on a pool capped at 64K tokens (8 GiB of Llama-3.1-8B KV), so that
 # the pool, not the batch limit, bounds vanilla; and the reasoning shape, 256 x 1K in / 4K out on the whole GPU
 DECODE_BUDGET_64K_POOL = ["--prompt-len", "1024", "--max-tokens", "2048", "--num-requests", "64",
@@ -850,6 +855,11 @@ PLANS = {
     # tensor parallelism on two GPUs (FULL graphs, async scheduling, Ada-KV's all-gather over NCCL)
     "tp2-e2e-16k-512": [("vanilla", "e2e", TP2_E2E, 250),
                         ("evict", "e2e", TP2_E2E + ["--allocation", "uniform,adakv"], 290)],
+    # the same on Ray's executor, and pipeline parallelism (two stages) on it (GPUS_PER_JOB=2 in side_by_side.sh)
+    "tp2-ray-e2e-16k-512": [("vanilla", "e2e", TP2_E2E + RAY, 250),
+                            ("evict", "e2e", TP2_E2E + RAY + ["--allocation", "uniform,adakv"], 290)],
+    "pp2-ray-e2e-16k-512": [("vanilla", "e2e", PP2_E2E + RAY, 250),
+                            ("evict", "e2e", PP2_E2E + RAY + ["--allocation", "uniform,adakv"], 290)],
     # prefill-phase time (max_tokens=1) and TTFT at batch 1
     "prefill-8k-32k-dropkv": [("vanilla", "prefill", PREFILL_8K_32K, 150),
                               ("evict", "prefill", PREFILL_8K_32K + ["--prefill-policies", "dropkv:uniform",
@@ -1088,7 +1098,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--max-model-len", type=int, default=66048)
     o.add_argument("--max-num-seqs", type=int, default=512)
     o.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    o.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (CPU: worker processes) per engine")
+    o.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (CPU: worker processes) per stage")
+    o.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (GPUs of their own)")
+    o.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+                   help="vLLM's executor of the workers when there are several (ray: GPU only)")
     o.add_argument("--kv-cache-dtype", default="auto", help="GPU: vLLM's --kv-cache-dtype (auto or fp8)")
     o.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="KV pool size (CPU default 256 MiB; GPU default: vLLM's, from --gpu-memory-utilization 0.9)")

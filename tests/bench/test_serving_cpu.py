@@ -98,6 +98,20 @@ def test_capacity_suite_at_tensor_parallel_2(tmp_path):
     assert row["capacity"] > run["kv_tokens_total"] // (768 + 64)
 
 
+def test_e2e_suite_at_pipeline_parallel_2(tmp_path):
+    """--pipeline-parallel-size 2 (the PP plans for 2 GPUs) on two CPU worker processes: the stage of two of
+    the tiny Llama's three layers bounds the pool (so it holds 3/2 of one worker's tokens), and every request
+    of both allocations finishes evicted."""
+    run = run_one(tmp_path, "pp2", "--engine", "evict", "--suite", "e2e", "--pipeline-parallel-size", "2",
+                  "--shapes", "512:8:4", "--allocation", "uniform,adakv")
+    assert run["kv_tokens_total"] == 8192 * 3 // 2
+    assert [shape["allocation"] for shape in run["shapes"]] == ["uniform", "adakv"]
+    for shape in run["shapes"]:
+        load = shape["load"]
+        assert load["stop_reason"] == "all requests finished" and load["output_tokens"] == 4 * 8
+        assert load["evict_ms_mean"] > 0
+
+
 def test_limit_suite_on_vanilla(tmp_path):
     """Suite limit after vanilla's own decode run on one engine: the prefill-only pass, a step-time
     curve over the KV range a decode-budget request holds, and the limit per decode budget next to vanilla's

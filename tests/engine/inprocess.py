@@ -41,14 +41,15 @@ def inprocess_llm(model, **overrides):
 
 
 @contextlib.contextmanager
-def two_cpu_workers():
-    """Environment for an engine with two CPU worker processes (TP=2 or PP=2) on one NUMA node: vLLM
-    binds each worker to a node of its own unless told which cores to use. vLLM caches its environment
-    after the first engine start in a process, so the cache is dropped for the new value to count."""
+def cpu_workers(workers: int = 2):
+    """Environment for an engine with `workers` CPU worker processes (TP=2, PP=2, PP=2 x TP=2) on
+    one NUMA node: vLLM binds each worker to a node of its own unless told which cores to use; workers
+    beyond the machine's cores share them. vLLM caches its environment after the first engine start in a
+    process, so the cache is dropped for the new value to count."""
     import vllm.envs
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        patch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % os.cpu_count()) for i in range(workers)))
         vllm.envs.disable_envs_cache()
         yield
     vllm.envs.disable_envs_cache()

@@ -1,15 +1,17 @@
-"""Pipeline parallelism (`pipeline_parallel_size=2`, two CPU worker processes of the tiny Llama's 3 layers):
+"""Pipeline parallelism (`pipeline_parallel_size=2`, CPU worker processes of the tiny Llama's 3 layers):
 each stage compacts its own layers at the points the scheduler plans for both. One-shot, block-wise and
 decode-budget requests, uniform and Ada-KV, in one batch with plain requests, follow the independent torch
 reference (the model and eviction of every layer, in one process), and every block returns to the pool,
-after aborts at random steps too. One engine for the module."""
+after aborts at random steps too. Two engines, one after the other: PP=2 (two workers), and PP=2 x TP=2
+(four workers, each holding one KV head of its stage's layers; Ada-KV all-gathers its scores inside each
+stage's TP group), which is slow on two cores."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.engine.hybrid import check_aborts_leak_nothing, idle
-from tests.engine.inprocess import inprocess_llm, two_cpu_workers
+from tests.engine.inprocess import inprocess_llm, cpu_workers
 from tests.engine.test_eviction import check_against_reference, params, random_prompt
 
 pytestmark = pytest.mark.engine
@@ -25,11 +27,14 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama):
-    with two_cpu_workers():
+@pytest.fixture(scope="module", params=[1, pytest.param(2, marks=pytest.mark.slow)], ids=["pp2", "pp2xtp2"])
+def engine(request, tiny_llama):
+    tp = request.param
+    with cpu_workers(2 * tp):
         with inprocess_llm(tiny_llama, block_size=PAGE, max_model_len=1280, max_num_batched_tokens=256,
-                           pipeline_parallel_size=2, distributed_executor_backend="mp") as llm:
+                           pipeline_parallel_size=2, tensor_parallel_size=tp, distributed_executor_backend="mp") as llm:
+            config = llm.llm_engine.vllm_config.parallel_config
+            assert (config.pipeline_parallel_size, config.tensor_parallel_size) == (2, tp)
             yield llm
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.inprocess import inprocess_llm, two_cpu_workers
+from tests.engine.inprocess import inprocess_llm, cpu_workers
 from tests.engine.test_eviction import (PAGE, check_mixed_batch, params, random_prompt,
                                        scheduler_of)
 
@@ -19,7 +19,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    with two_cpu_workers():
+    with cpu_workers():
         with inprocess_llm(tiny_llama, block_size=PAGE, max_num_batched_tokens=256, tensor_parallel_size=2,
                            distributed_executor_backend="mp") as llm:
             yield llm

@@ -17,7 +17,8 @@ rank's heads may then win more than P*H pages, up to min(P*H_kv, H*ceil(E/page_s
 reserves F = min(P*H_kv/H, ceil(E/page_size)) fresh blocks for such a request so that every rank fits
 (scheduler.plan_eviction), before any score exists. The layout spans only the F' <= F blocks that the
 fullest rank fills (over all layers; every rank computes the same F'), and the workers report F' so the
-scheduler frees the other F - F' (worker.py).
+scheduler frees the other F - F' (worker.py). Under pipeline parallelism F' = F: no stage sees the layers
+of the others, and the scheduler hears from the last stage only.
 
 Compaction runs once per step, after the model forward (worker.py), over all layers of a request:
 layers are folded into the head axis (layer-major: head l*H + h), so one scoring call, one selection
@@ -54,6 +55,7 @@ class KVHeadGroup:
     rank: int = 0
     world: int = 1       # TP
     total: int = 0       # H_kv (0: this rank's heads are all the heads)
+    stages: int = 1      # PP: each stage holds its own layers
 
     def num_heads(self, local: int) -> int:
         """H_kv, for a rank holding `local` heads."""
@@ -242,8 +244,11 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     groups = layer_groups(layers, held * R, cache.num_heads, cache.head_dim, cache.gathered_itemsize)
     options = {**config.score_options(), "window": point.window, "sink": point.sink, "future_rotation": rotation}
     # Ada-KV under TP: the layout spans the blocks of the fullest rank over all layers, known once every
-    # layer is selected, so the groups are written after that (gathered again, all but the last).
-    deferred = state.deferred
+    # layer is selected, so the groups are written after that (gathered again, all but the last). Under
+    # pipeline parallelism a stage sees its own layers only and vLLM hands the scheduler the last stage's
+    # report alone, so there the layout spans every written block (F' = F: nothing is trimmed).
+    spans_written = state.deferred and heads.stages > 1
+    deferred = state.deferred and not spans_written
     selected, used = [], None
     for group in groups:
         lengths = None
@@ -300,6 +305,8 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
                 keys, values = (_gather_heads(cache, group, requests, held)[:2] if per_head
                                 else _gather(cache, group, read, held))
             _write_group(states, group, keys, values, keep[None], counts[None], written, used)
+    if spans_written:
+        return torch.tensor(written.shape[1], device=written.device)
     return used
 
 

@@ -416,14 +416,14 @@ def staged_queries() -> torch.Tensor:
 
 
 def kv_head_group(runner) -> KVHeadGroup:
-    """This worker's KV heads among a layer's (tensor parallelism)."""
-    world = runner.parallel_config.tensor_parallel_size
+    """This worker's KV heads among a layer's (tensor parallelism), and the pipeline's stages."""
+    world, stages = runner.parallel_config.tensor_parallel_size, runner.parallel_config.pipeline_parallel_size
     if world == 1:
-        return KVHeadGroup()
+        return KVHeadGroup(stages=stages)
     from vllm.distributed import get_tensor_model_parallel_rank
 
     return KVHeadGroup(rank=get_tensor_model_parallel_rank(), world=world,
-                       total=runner.model_config.get_total_num_kv_heads())
+                       total=runner.model_config.get_total_num_kv_heads(), stages=stages)
 
 
 LATENCY_ATTR = "vllm_evict_latency_ms"
