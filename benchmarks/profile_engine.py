@@ -287,6 +287,27 @@ def timeline(trace_path: Path) -> dict:
     return {"kernel_ms": round(busy / 1e3, 1), "gpu_span_ms": round(wall / 1e3, 1), "compaction": rows}
 
 
+def python_profile(run, title: str, path: Path) -> None:
+    """Host time of run() by Python function (cProfile; the device work overlaps unless a call waits on
+    it): the top functions by own time and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    run()
+    torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    text.write(f"== {title}\n")
+    stats = pstats.Stats(prof, stream=text).strip_dirs()
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(60)
+    path.write_text(text.getvalue())
+    print(text.getvalue()[:8000], flush=True)
+
+
 def decode_eviction_profile(args, engine, sched, timers, table, out_dir):
     """Decode-time eviction: B requests of --prompt-len tokens with a decode budget of --kv-len
     tokens per head (every --decode-every tokens), against B plain requests whose prompts hold about the
@@ -333,6 +354,9 @@ def decode_eviction_profile(args, engine, sched, timers, table, out_dir):
                 engine.step()
             torch.cuda.synchronize()
         table(prof, f"decode {label}, {args.profile_steps or every} steps", out_dir / f"profile_{label}.txt")
+        if args.python_profile:  # host time by Python function over another interval (cProfile)
+            python_profile(lambda: [engine.step() for _ in range(args.profile_steps or every)],
+                           f"decode {label}", out_dir / f"python_{label}.txt")
         for r in list(sched.running) + list(sched.waiting):
             engine.abort_request([r.request_id])
         while engine.has_unfinished_requests():
@@ -433,6 +457,8 @@ def main():
                     help="profile decode-time eviction: a decode budget of --kv-len against plain requests")
     ap.add_argument("--decode-every", type=int, default=128)
     ap.add_argument("--profile-steps", type=int, default=0, help="--decode-budget: steps profiled (0: --decode-every)")
+    ap.add_argument("--python-profile", action="store_true",
+                    help="--decode-budget: also cProfile the host's Python over as many steps")
     ap.add_argument("--attention-splits", action="store_true",
                     help="only the per-head FlashAttention call, per shape, head spread and num_splits")
     ap.add_argument("--split-shapes", nargs="+", default=None, help="--attention-splits: BATCH:KV_LEN shapes "
