@@ -30,6 +30,7 @@ without host synchronisation.
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,37 @@ class LayerCompaction:
 
     page_counts: torch.Tensor  # [H] int64 p_h: sums to P*H, or (Ada-KV under TP) to this rank's share of P*H_kv
     kept: torch.Tensor         # [H] int64 kept tokens K_h = min(E, p_h * page_size)
+
+
+class LayerLayouts(MutableMapping):
+    """A request's LayerCompaction by layer index, recorded a layer group at a time: an entry points into the
+    group's [G, H] tensors, and a layer's LayerCompaction is made when it is read (per-head tables, the random
+    policy's positions; never for uniform layouts). Recording makes no tensor view per layer: a compaction
+    step of many requests and layers would otherwise spend its host time on them."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+    def record(self, indices: list[int], page_counts: torch.Tensor, kept: torch.Tensor) -> None:
+        """Layers `indices` of a group, page_counts and kept [G, H]."""
+        for i, index in enumerate(indices):
+            self._entries[index] = (page_counts, kept, i)
+
+    def __setitem__(self, index: int, layout: LayerCompaction) -> None:
+        self._entries[index] = (layout.page_counts[None], layout.kept[None], 0)
+
+    def __getitem__(self, index: int) -> LayerCompaction:
+        page_counts, kept, i = self._entries[index]
+        return LayerCompaction(page_counts=page_counts[i], kept=kept[i])
+
+    def __delitem__(self, index: int) -> None:
+        del self._entries[index]
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 def select_group(config: EvictionConfig, q_window: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
@@ -392,10 +424,10 @@ def _write_group(states: list, group: list, keys: torch.Tensor, values: torch.Te
     caches[0].write_layers(caches * R, keys.view(E, R * G, *keys.shape[3:]), values.view(E, R * G, *keys.shape[3:]),
                            slots.reshape(R * G, E, -1).contiguous())
     kept = keep.sum(dim=-1)
+    indices = [index for index, _ in group]
     for r, (state, request_counts, request_kept) in enumerate(zip(states, counts.unbind(), kept.unbind())):
-        for i, ((index, _), layer_counts, layer_kept) in enumerate(zip(group, request_counts.unbind(),
-                                                                        request_kept.unbind())):
-            state.layers[index] = LayerCompaction(page_counts=layer_counts, kept=layer_kept)
-            if DUMP_DIR:  # kept sets for offline comparison with a reference (GPU checks)
-                point = f".c{state.done}" if state.chunk else ""  # block-wise: one file per compaction
+        state.layers.record(indices, request_counts, request_kept)
+        if DUMP_DIR:  # kept sets for offline comparison with a reference (GPU checks)
+            point = f".c{state.done}" if state.chunk else ""  # block-wise: one file per compaction
+            for i, index in enumerate(indices):
                 torch.save(keep[r, i].cpu(), os.path.join(DUMP_DIR, f"{state.req_id}{point}.L{index}.pt"))

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_evict.engine.compaction import LayerCompaction
+from vllm_evict.engine.compaction import LayerLayouts
 from vllm_evict.engine.request_config import CompactionSchedule, FollowsSchedule, RequestEviction
 from vllm_evict.engine.window_store import WindowStore
 
@@ -26,7 +26,7 @@ class WorkerEviction(FollowsSchedule):
     q_window: torch.Tensor | None = None  # [L, w, Hq, D] by layer index (its WindowStore rows), set to compact
     window: int = 0                     # w (read once: the policy's default or the request's override)
     window_offset: int = -1             # its rows in the worker's WindowStore (-1: none)
-    layers: dict[int, LayerCompaction] = field(default_factory=dict)  # filled during the compaction step
+    layers: LayerLayouts = field(default_factory=LayerLayouts)  # filled during the compaction step
     stacked: tuple | None = None        # per_head.stacked_counts: all layers' page counts, once per layout
     done: int = 0                       # compactions finished (counted from the step after each)
     shift: int = 0                      # semantic minus physical positions once compacted
