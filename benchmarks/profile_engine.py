@@ -164,7 +164,8 @@ def engine_profile(args, out_dir: Path) -> None:
     model = write_real_config(args.config, Path("/tmp/vllm-evict-bench"))
     llm = LLM(**engine_kwargs(**gpu_defaults(), model=str(model), load_format="dummy", dtype="bfloat16",
                               gpu_memory_utilization=0.9,
-                              block_size=16, max_model_len=args.max_model_len, max_num_batched_tokens=16384, seed=0))
+                              block_size=16, max_model_len=args.max_model_len, max_num_batched_tokens=16384, seed=0,
+                              skip_tokenizer_init=True))  # token ids in and out, as serving.py: no detokenizer
     engine = llm.llm_engine
     sched = engine.engine_core.engine_core.scheduler
     gen = torch.Generator().manual_seed(0)
