@@ -96,6 +96,26 @@ def test_prompt_and_decode_eviction_in_one_request(engine, reference):
         assert report["pages_per_head"] == spec_of(case).config.num_pages(case.get("evict_at", 300), PAGE)
 
 
+def test_decode_points_score_with_the_decode_policy(engine, reference):
+    """decode_policy scores the decode points, the request's policy its prompt: one-shot, block-wise and no
+    prompt eviction, Ada-KV, protect_prompt; each next to the same request without it, whose tokens differ
+    from it for most of them (so a decode policy the engine ignored would fail the reference)."""
+    with_policy = [{"policy": "snapkv", "budget": 0.25, **DECODE, "decode_policy": "streaming"},
+                   {"policy": "dropkv", "budget": 64, "chunked": True, "chunk_size": 64, **DECODE,
+                    "decode_policy": "h2o"},
+                   {"policy": "keydiff", "budget": 0.25, "window": 16, **DECODE, "decode_policy": "snapkv"},
+                   {"policy": "tova", "budget": 0.25, "allocation": "adakv", **DECODE, "decode_policy": "knorm"},
+                   {"policy": "snapkv", **DECODE, "protect_prompt": True, "decode_policy": "random", "seed": 3}]
+    without = [{k: v for k, v in case.items() if k != "decode_policy"} for case in with_policy]
+    outputs = check_cases(engine, reference, random_prompt(66, 300), with_policy + without)
+    n = len(with_policy)
+    for case, out in zip(with_policy, outputs[1:1 + n]):
+        assert out.kv_transfer_params["vllm_evict"]["decode_policy"] == case["decode_policy"]
+    differ = [ours.outputs[0].token_ids != theirs.outputs[0].token_ids
+              for ours, theirs in zip(outputs[1:1 + n], outputs[1 + n:-1])]
+    assert sum(differ) >= 3, differ
+
+
 def test_every_policy_evicts_block_wise_while_prefilling(engine, reference):
     """chunked=true for every policy (DESIGN.md §4.8 b): the chunk ends past P_c pages compact what each head
     holds with the chunk policy (for query-based policies KeyDiff by default, or expected attention), window queries

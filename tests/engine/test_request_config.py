@@ -4,6 +4,7 @@ canonical form the engine core and the workers read (no environment read after t
 import pytest
 
 from vllm_evict.engine.request_config import DEFAULT_ENV, parse_request, resolve_request
+from vllm_evict.policies import get_policy
 
 
 def test_flat_keys_become_the_nested_form_and_other_keys_stay():
@@ -109,3 +110,36 @@ def test_two_stage_block_wise_schedule():
                                               "chunk_budget": 0.1}})
     assert one_stage.chunk_config().policy == "keydiff"
     assert CompactionSchedule(one_stage, 2000, 16).chunk_pages == 13
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"policy": "snapkv", "budget": 0.1, "decode_policy": "streaming"}, "decode_policy .* need a decode_budget"),
+    ({"policy": "snapkv", "decode_budget": 64, "decode_policy": "nope"}, "unknown eviction policy"),
+    ({"policy": "keydiff", "decode_budget": 64, "decode_policy": "snapkv"},
+     "decode_policy 'snapkv' reads window queries, and policy 'keydiff' keeps none"),
+    ({"policy": "snapkv", "allocation": "adakv", "decode_budget": 64, "decode_policy": "streaming"},
+     "decode_policy 'streaming' has no allocation 'adakv'"),
+])
+def test_bad_decode_policies_are_refused(fields, match):
+    with pytest.raises(ValueError, match=match):
+        parse_request({"vllm_evict": fields})
+
+
+def test_decode_points_score_with_the_decode_policy():
+    """A decode policy scores the decode points only: the prompt's points keep the request's policy, the
+    decode points take the decode policy's protected tokens (its sink) with the request's window. Flat keys
+    and the nested form agree."""
+    from vllm_evict.engine.request_config import CompactionSchedule
+
+    spec = parse_request({"eviction_policy": "snapkv", "eviction_budget": "0.1", "eviction_decode_budget": "256",
+                          "eviction_decode_policy": "streaming"})
+    assert spec == parse_request({"vllm_evict": spec.to_dict()}) and spec.decode_policy == "streaming"
+    schedule = CompactionSchedule(spec, 2000, 16)
+    prompt, first, second = (schedule.point(c) for c in range(3))
+    assert (prompt.decode, prompt.config.policy) == (False, "snapkv")
+    assert {first.config.policy, second.config.policy} == {"streaming"} and first.decode and second.decode
+    assert first.window == 32 and first.sink == get_policy("streaming").default_sink != prompt.sink
+    assert (first.held, first.kept, second.held) == (208 + 128, 256, 256 + 128)
+    same = parse_request({"vllm_evict": {"policy": "snapkv", "budget": 0.1, "decode_budget": 256}})
+    assert same.decode_config() is same.config
+    assert CompactionSchedule(same, 2000, 16).point(1).config.policy == "snapkv"

@@ -51,7 +51,8 @@ class RequestEviction:
     `chunk_budget`, `chunk_policy` (only with chunked=true, DESIGN.md §4.8 b): the budget and policy of the
     cuts before the last one (defaults: DEFAULT_CHUNK_BUDGET, DEFAULT_CHUNK_POLICY); the cut at the end of
     the prompt applies the request's own policy and budget.
-    `decode_budget` K_d, `decode_every` C_d, `protect_prompt` (DESIGN.md §4.8 c): evict again while decoding."""
+    `decode_budget` K_d, `decode_every` C_d, `protect_prompt` (DESIGN.md §4.8 c): evict again while decoding;
+    `decode_policy` (only with decode_budget): the policy of the decode points (default: the request's)."""
 
     config: EvictionConfig
     evict_at: int | None = None
@@ -61,17 +62,33 @@ class RequestEviction:
     protect_prompt: bool = False
     chunk_budget: int | float | None = None
     chunk_policy: str | None = None
+    decode_policy: str | None = None
 
     def chunk_config(self) -> EvictionConfig:
         """The config of block-wise cuts before the last (DESIGN.md §4.8 b): the request's, with the chunk
         policy and budget; its window is the request's (the same window queries score both)."""
         budget = self.chunk_budget if self.chunk_budget is not None else default_chunk_budget(self.config.budget)
         policy = self.chunk_policy or (DEFAULT_CHUNK_POLICY if self.config.needs_queries() else self.config.policy)
+        return self._with_policy("chunk_policy", policy, budget=budget)
+
+    def decode_config(self) -> EvictionConfig:
+        """The config of the decode points (DESIGN.md §4.8 c): the request's, with its decode policy."""
+        if self.decode_policy is None:
+            return self.config
+        config = self._with_policy("decode_policy", self.decode_policy)
+        if config.allocation != self.config.allocation:  # a decode point's geometry follows its allocation
+            raise ValueError(f"decode_policy {self.decode_policy!r} has no allocation {self.config.allocation!r} "
+                             "(the request's): use allocation 'uniform' or another decode_policy")
+        return config
+
+    def _with_policy(self, field: str, policy: str, **changes) -> EvictionConfig:
+        """The request's config scored by `policy` instead, with the request's window (the same window queries
+        score every point)."""
         window = self.config.window_size()
         if get_policy(policy).needs_queries and not window:
-            raise ValueError(f"chunk_policy {policy!r} reads window queries, and policy {self.config.policy!r} "
+            raise ValueError(f"{field} {policy!r} reads window queries, and policy {self.config.policy!r} "
                              "keeps none: give the request a window (e.g. window=32)")
-        return dataclasses.replace(self.config, policy=policy, budget=budget,
+        return dataclasses.replace(self.config, policy=policy, **changes,
                                    window=window if window or self.config.window is not None else None)
 
     def decode_tokens(self, page_size: int) -> int:
@@ -114,6 +131,8 @@ class RequestEviction:
             d["chunk_budget"] = self.chunk_budget
         if self.chunk_policy is not None:
             d["chunk_policy"] = self.chunk_policy
+        if self.decode_policy is not None:
+            d["decode_policy"] = self.decode_policy
         return d
 
 
@@ -171,6 +190,7 @@ class CompactionSchedule:
         self.pages = config.num_pages(self.evict_at, page_size)  # P, None: the prompt is not evicted
         self.chunk = spec.chunk_tokens(page_size) if self.pages else 0
         self.decode_every = spec.decode_tokens(page_size)
+        self.decode_config = spec.decode_config()
         # block-wise cuts before the last keep P_c >= P pages, scored by the chunk config (DESIGN.md §4.8 b)
         self.chunk_config = chunk_config = spec.chunk_config() if self.chunk else config
         chunk_pages = chunk_config.num_pages(self.evict_at, page_size)  # None: those cuts would keep everything
@@ -211,7 +231,7 @@ class CompactionSchedule:
             held = prev.kept + at - prev.at
         else:
             held = at
-        config, bs = self.spec.config, self.page_size
+        config, bs = self.decode_config, self.page_size
         fixed = self.prompt_held if self.spec.protect_prompt else 0
         candidates = held - fixed
         # sink: candidates whose original position is < sink (generated tokens start at position n)
@@ -302,7 +322,7 @@ class FollowsSchedule:
 
 # Request fields the engine reads besides the policy's (EvictionConfig)
 ENGINE_FIELDS = ("evict_at", "chunk_size", "chunk_budget", "chunk_policy", "decode_budget", "decode_every",
-                 "protect_prompt")
+                 "decode_policy", "protect_prompt")
 
 
 def _token_count(spec: dict, name: str) -> int | None:
@@ -334,14 +354,17 @@ def _from_mapping(spec: Mapping[str, Any]) -> RequestEviction | None:
     chunk_policy = spec.pop("chunk_policy", None)
     if chunk_policy is not None:
         get_policy(chunk_policy)
+    decode_policy = spec.pop("decode_policy", None)
+    if decode_policy is not None:
+        get_policy(decode_policy)
     protect_prompt = spec.pop("protect_prompt", False)
     if not isinstance(protect_prompt, bool):
         raise ValueError(f"protect_prompt must be a bool, got {protect_prompt!r}")
     config = EvictionConfig.from_dict(spec, budget_required=decode_budget is None)
     if config is None:
         return None
-    if decode_budget is None and (decode_every is not None or protect_prompt):
-        raise ValueError("decode_every and protect_prompt need a decode_budget")
+    if decode_budget is None and (decode_every is not None or protect_prompt or decode_policy is not None):
+        raise ValueError("decode_every, decode_policy and protect_prompt need a decode_budget")
     if protect_prompt and config.allocation == "adakv" and config.budget is not None:
         # an Ada-KV prompt eviction leaves every head a different number of prompt tokens to protect
         raise ValueError("protect_prompt with allocation 'adakv' needs the prompt unevicted in this version "
@@ -356,9 +379,10 @@ def _from_mapping(spec: Mapping[str, Any]) -> RequestEviction | None:
         raise ValueError("chunked=true evicts block-wise over the whole prompt; it cannot be combined with "
                          f"evict_at={evict_at}")
     spec = RequestEviction(config, evict_at, chunk_size, decode_budget, decode_every, protect_prompt, chunk_budget,
-                           chunk_policy)
+                           chunk_policy, decode_policy)
     if config.chunked and config.budget is not None:
         spec.chunk_config()  # validated here, not at the request's first cut
+    spec.decode_config()
     return spec
 
 
@@ -376,7 +400,7 @@ def flat_request(extra_args: Mapping[str, Any] | None) -> dict[str, Any] | None:
         elif name == "chunk_budget":
             fields[name] = parse_number(name, value)
         else:
-            fields[name] = value if name == "chunk_policy" else parse_int_field(name, value)
+            fields[name] = value if name in ("chunk_policy", "decode_policy") else parse_int_field(name, value)
     return fields
 
 

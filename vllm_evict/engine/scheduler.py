@@ -524,6 +524,7 @@ class _EvictionSchedulerMixin:
             report.update({
                 "decode_budget": spec.decode_budget,
                 "decode_every": schedule.decode_every,
+                "decode_policy": schedule.decode_config.policy,
                 "protect_prompt": spec.protect_prompt,
                 "decode_compactions": ev.decode_compactions,
                 "decode_evicted_tokens": ev.decode_evicted,

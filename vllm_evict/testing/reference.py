@@ -229,7 +229,8 @@ class ReferenceDecoder:
         a decode point after the forward that writes each C_d-th generated token's K/V. At a point each head
         of a full-attention layer scores what it holds (under protect_prompt only its generated tokens) with
         the window queries of the last w of them, kept from when they were processed, and keeps its best P
-        (P_d) pages. kept_per_layer: what each head holds at the end. `forced`: as in `generate`."""
+        (P_d) pages, scored by the request's policy (its chunk policy at block-wise cuts before the last, its
+        decode policy at decode points). kept_per_layer: what each head holds at the end. `forced`: as in `generate`."""
         config = spec.config
         self._near_ties = 0
         n = len(prompt_ids)
@@ -240,7 +241,7 @@ class ReferenceDecoder:
         chunk_config = spec.chunk_config() if chunk else None
         chunk_pages = chunk_config.num_pages(E, page_size) if chunk else None
         chunk_pages = None if chunk_pages is None else max(chunk_pages, pages)
-        decode_every = spec.decode_tokens(page_size)
+        decode_every, decode_config = spec.decode_tokens(page_size), spec.decode_config()
         stores = [LayerKV.empty(self.num_kv_heads, self.head_dim, self.device, self.model.dtype)
                   for _ in range(self.num_layers)]
         points, cache = 0, None
@@ -290,7 +291,7 @@ class ReferenceDecoder:
                     break
             written = done + 1 - n  # generated tokens whose K/V this forward writes
             point = "decode" if decode_every and written > 0 and written % decode_every == 0 else None
-            logits = forward([pending.pop(0)], done, point)
+            logits = forward([pending.pop(0)], done, point, decode_config)
             done += 1
         result.kept_per_layer = [store.counts() if attends else [] for store, attends in zip(stores, self.attends)]
         result.near_ties = self._near_ties
@@ -309,7 +310,7 @@ class ReferenceDecoder:
                  page_size: int) -> None:
         """Compaction point `index` of one layer (DESIGN.md §4.8 a): each head keeps its best pages of its candidates
         (under Ada-KV the heads may hold different counts: scored padded to the longest, with their lengths),
-        scored and selected by `config` (the request's, or its chunk config)."""
+        scored and selected by `config` (the request's, its chunk config or its decode config)."""
         H = self.num_kv_heads
         keys, values, positions = store.keys, store.values, store.positions
         counts = store.counts()
@@ -330,7 +331,9 @@ class ReferenceDecoder:
         w = min(config.window_size(), m if lengths is None else int(lengths.min()))
         window_positions = cand[0, m - w: m].tolist()  # the last w held: the same tokens in every head
         q_window = torch.stack([store.queries[p] for p in window_positions]) if w else None
-        sink = int((cand[0, :m] < config.sink_size()).sum())
+        # the first `sink` tokens each head holds (DESIGN.md §4.8 a); among the generated candidates of
+        # protect_prompt, those whose position is below it
+        sink = int((cand[0, :m] < config.sink_size()).sum()) if fixed else min(config.sink_size(), m)
         context = self._context(layer, cand, index, config)
         scores = score_tokens(config.policy, q_window, k_all[fixed:], v_all[fixed:], scale=self.scale,
                               **{**config.score_options(), "window": w, "sink": sink}, context=context,
