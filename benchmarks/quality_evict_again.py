@@ -8,11 +8,16 @@
 * **Generation fidelity under decode-time eviction:** greedy tokens of a short chat prompt, --gen-tokens
   generated (ignore_eos), with `decode_budget` K_d per policy, against the full cache: the first
   divergence and the share of positions with the same token.
+* **A decode policy:** a chat prompt holding --context-tokens of the same sources and a request to explain
+  them, evicted at its end by --request-policy at --request-budget (the question's queries score it), then
+  --gen-tokens generated under each decode budget with each --decode-policies at the decode points
+  (`decode_policy`), against the full cache and against the prompt's eviction alone.
 
     python benchmarks/quality_evict_again.py --out-dir docs/quality     # CPU: ~15-30 min on 2 cores
+    python benchmarks/quality_evict_again.py --parts decode-policy --name evict_again_decode_policy
 
-Writes evict_again.json (config, environment, every row) and evict_again.md (tables), and
-evict_again.png (perplexity per policy and budget).
+Writes NAME.json (config, environment, every row) and NAME.md (tables), and NAME.png (perplexity per
+policy and budget) when perplexity ran; NAME is --name (default evict_again).
 """
 
 from __future__ import annotations
@@ -29,13 +34,24 @@ from pathlib import Path
 
 STDLIB_FILES = ("argparse.py", "collections/__init__.py", "json/decoder.py", "inspect.py", "textwrap.py",
                 "dataclasses.py", "functools.py", "heapq.py", "bisect.py", "shlex.py")
+EXPLAIN_PROMPT = "Explain what the code above does, function by function, in detail."
 GEN_PROMPT = ("Write a long, detailed story about a lighthouse keeper who finds a message in a bottle. "
               "Describe the island, the weather, the keeper's daily routine and every person the keeper meets.")
+
+
+PARTS = ("perplexity", "fidelity", "decode-policy")
 
 
 def stdlib_text() -> str:
     root = Path(sysconfig.get_paths()["stdlib"])
     return "\n\n".join((root / name).read_text() for name in STDLIB_FILES)
+
+
+def agreement(got: list[int], reference: list[int]) -> tuple[int, float]:
+    """The first index where `got` differs from `reference` (its length if nowhere), and the share of equal
+    positions."""
+    first = next((i for i, (a, b) in enumerate(zip(got, reference)) if a != b), len(reference))
+    return first, round(sum(a == b for a, b in zip(got, reference)) / len(reference), 4)
 
 
 def perplexity(logprobs: list[float]) -> float:
@@ -56,6 +72,12 @@ def main() -> int:
     ap.add_argument("--gen-tokens", type=int, default=2048)
     ap.add_argument("--decode-budgets", type=int, nargs="+", default=[256, 512, 1024])
     ap.add_argument("--policies", nargs="+", default=None, help="default: every registered policy")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    ap.add_argument("--name", default="evict_again", help="stem of the output files")
+    ap.add_argument("--context-tokens", type=int, default=1024)
+    ap.add_argument("--request-policy", default="snapkv")
+    ap.add_argument("--request-budget", type=float, default=0.25)
+    ap.add_argument("--decode-policies", nargs="+", default=["snapkv", "dropkv", "keydiff", "tova", "streaming"])
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -69,7 +91,7 @@ def main() -> int:
     model = prepare_smollm2()
     started = time.time()
     llm = make_llm(str(model), dtype="float32", block_size=16, kv_cache_memory_bytes=1 << 30,
-                   max_model_len=max(args.ppl_tokens, args.gen_tokens + 256) + 16, max_num_seqs=64,
+                   max_model_len=max(args.ppl_tokens, args.gen_tokens + args.context_tokens + 256) + 16, max_num_seqs=64,
                    max_num_batched_tokens=2048)
     tokenizer = llm.get_tokenizer()
     text_ids = tokenizer(stdlib_text())["input_ids"][: args.ppl_tokens]
@@ -77,8 +99,41 @@ def main() -> int:
     def params(eviction: dict | None, **kw) -> SamplingParams:
         return SamplingParams(temperature=0, extra_args={"vllm_evict": eviction} if eviction else None, **kw)
 
-    # perplexity: full cache, then every (policy, budget) block-wise, one budget and policy for every cut (each
-    # chunk is predicted from what that budget kept, as in StreamingLLM's evaluation)
+    result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "model": str(model.name),
+              "python": platform.python_version(), "text": {"stdlib_files": STDLIB_FILES, "tokens": len(text_ids)},
+              "chunk_size": args.chunk_size, "gen_tokens": args.gen_tokens}
+    if "perplexity" in args.parts:
+        result["perplexity"] = perplexity_rows(llm, params, text_ids, args, policies)
+    def chat_ids(content: str) -> list[int]:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    if "fidelity" in args.parts:
+        chat = chat_ids(GEN_PROMPT)
+        result["gen_prompt_tokens"] = len(chat)
+        result["fidelity"] = fidelity_rows(llm, params, chat, args, policies)
+    if "decode-policy" in args.parts:
+        context = tokenizer.decode(text_ids[: args.context_tokens])
+        prompt = chat_ids(f"{context}\n\n{EXPLAIN_PROMPT}")
+        result["decode_policy"] = {"prompt_tokens": len(prompt), "context_tokens": args.context_tokens,
+                                   "policy": args.request_policy, "budget": args.request_budget,
+                                   "rows": decode_policy_rows(llm, params, prompt, args)}
+    result.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), seconds=round(time.time() - started))
+
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+    write_markdown(result, out_dir / f"{args.name}.md")
+    if "perplexity" in result:
+        plot(result, out_dir / f"{args.name}.png")
+    print((out_dir / f"{args.name}.md").read_text())
+    return 0
+
+
+def perplexity_rows(llm, params, text_ids: list[int], args, policies: list[str]) -> list[dict]:
+    """Full cache, then every (policy, budget) block-wise, one budget and policy for every cut (each chunk is
+    predicted from what that budget kept, as in StreamingLLM's evaluation)."""
     ppl_cases = [None] + [{"policy": p, "budget": b, "chunked": True, "chunk_size": args.chunk_size,
                            "chunk_budget": b, "chunk_policy": p} for b in args.ppl_budgets for p in policies]
     outs = llm.generate([{"prompt_token_ids": text_ids}] * len(ppl_cases),
@@ -94,64 +149,97 @@ def main() -> int:
     full_lp = prompt_logprobs(outs[0], text_ids)
     for row in ppl_rows[1:]:
         row["full_ppl_past_budget"] = round(perplexity(full_lp[row["budget"]:]), 4)
+    return ppl_rows
 
-    # fidelity: greedy tokens under decode budgets against the full cache
-    chat = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": GEN_PROMPT}], tokenize=False,
-                                                   add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+
+def fidelity_rows(llm, params, chat: list[int], args, policies: list[str]) -> list[dict]:
+    """Greedy tokens under decode budgets against the full cache."""
     gen_cases = [None] + [{"policy": p, "decode_budget": k} for k in args.decode_budgets for p in policies]
     outs = llm.generate([{"prompt_token_ids": chat}] * len(gen_cases),
                         [params(c, max_tokens=args.gen_tokens, ignore_eos=True) for c in gen_cases])
     full = list(outs[0].outputs[0].token_ids)
     gen_rows = []
     for case, out in zip(gen_cases[1:], outs[1:]):
-        got = list(out.outputs[0].token_ids)
-        first = next((i for i, (a, b) in enumerate(zip(got, full)) if a != b), len(full))
+        first, share = agreement(list(out.outputs[0].token_ids), full)
         report = (out.kv_transfer_params or {}).get("vllm_evict", {})
         gen_rows.append({"policy": case["policy"], "decode_budget": case["decode_budget"], "first_divergence": first,
-                         "agreement": round(sum(a == b for a, b in zip(got, full)) / len(full), 4),
-                         "decode_compactions": report.get("decode_compactions")})
+                         "agreement": share, "decode_compactions": report.get("decode_compactions")})
+    return gen_rows
 
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "model": str(model.name),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(time.time() - started),
-              "python": platform.python_version(), "text": {"stdlib_files": STDLIB_FILES, "tokens": len(text_ids)},
-              "chunk_size": args.chunk_size, "gen_prompt_tokens": len(chat), "gen_tokens": args.gen_tokens,
-              "perplexity": ppl_rows, "fidelity": gen_rows}
-    (out_dir / "evict_again.json").write_text(json.dumps(result, indent=1))
-    write_markdown(result, out_dir / "evict_again.md")
-    plot(result, out_dir / "evict_again.png")
-    print((out_dir / "evict_again.md").read_text())
-    return 0
+
+def decode_policy_rows(llm, params, prompt: list[int], args) -> list[dict]:
+    """The prompt evicted by the request's policy, then each decode policy at each decode budget: greedy tokens
+    against the full cache and against the prompt's eviction alone (no decode budget)."""
+    base = {"policy": args.request_policy, "budget": args.request_budget}
+    cases = [None, base] + [{**base, "decode_budget": k, "decode_policy": d}
+                            for k in args.decode_budgets for d in args.decode_policies]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * len(cases),
+                        [params(c, max_tokens=args.gen_tokens, ignore_eos=True) for c in cases])
+    full, prompt_only = (list(out.outputs[0].token_ids) for out in outs[:2])
+    rows = [{"decode_policy": None, "decode_budget": None,
+             **dict(zip(("first_divergence", "agreement"), agreement(prompt_only, full)))}]
+    for case, out in zip(cases[2:], outs[2:]):
+        got = list(out.outputs[0].token_ids)
+        report = (out.kv_transfer_params or {}).get("vllm_evict", {})
+        assert report.get("decode_policy") == case["decode_policy"], report
+        rows.append({"decode_policy": case["decode_policy"], "decode_budget": case["decode_budget"],
+                     **dict(zip(("first_divergence", "agreement"), agreement(got, full))),
+                     **dict(zip(("first_divergence_prompt_only", "agreement_prompt_only"), agreement(got, prompt_only))),
+                     "decode_compactions": report.get("decode_compactions")})
+    return rows
 
 
 def write_markdown(result: dict, path: Path) -> None:
-    full = result["perplexity"][0]["ppl"]
-    budgets = sorted({r["budget"] for r in result["perplexity"][1:]})
-    lines = [f"Perplexity of {result['text']['tokens']} tokens of CPython sources (full cache {full}), "
-             f"block-wise eviction in chunks of {result['chunk_size']} tokens; in brackets, over the positions "
-             "past the budget (full cache there in the header).", "",
-             "| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
-    rows = {}
-    for r in result["perplexity"][1:]:
-        rows.setdefault(r["policy"], {})[r["budget"]] = r
-    header_full = {r["budget"]: r["full_ppl_past_budget"] for r in result["perplexity"][1:]}
-    lines.insert(4, "| full cache | " + " | ".join(f"{full} ({header_full[b]})" for b in budgets) + " |")
-    for policy, by_budget in rows.items():
-        lines.append(f"| {policy} | " + " | ".join(f"{by_budget[b]['ppl']} ({by_budget[b]['ppl_past_budget']})"
-                                                   for b in budgets) + " |")
-    decode = sorted({r["decode_budget"] for r in result["fidelity"]})
-    lines += ["", f"Greedy generation of {result['gen_tokens']} tokens (ignore_eos) from a "
-              f"{result['gen_prompt_tokens']}-token chat prompt with a decode budget, against the full cache: "
-              "first divergence (token index) / share of equal tokens.", "",
-              "| policy | " + " | ".join(f"K_d {k}" for k in decode) + " |", "|---|" + "---|" * len(decode)]
-    fid = {}
-    for r in result["fidelity"]:
-        fid.setdefault(r["policy"], {})[r["decode_budget"]] = r
-    for policy, by_budget in fid.items():
-        lines.append(f"| {policy} | " + " | ".join(
-            f"{by_budget[k]['first_divergence']} / {by_budget[k]['agreement']:.2f}" for k in decode) + " |")
-    path.write_text("\n".join(lines) + "\n")
+    lines = []
+    if "perplexity" in result:
+        full = result["perplexity"][0]["ppl"]
+        budgets = sorted({r["budget"] for r in result["perplexity"][1:]})
+        header_full = {r["budget"]: r["full_ppl_past_budget"] for r in result["perplexity"][1:]}
+        lines += [f"Perplexity of {result['text']['tokens']} tokens of CPython sources (full cache {full}), "
+                  f"block-wise eviction in chunks of {result['chunk_size']} tokens; in brackets, over the positions "
+                  "past the budget (full cache there in the header).", "",
+                  "| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets),
+                  "| full cache | " + " | ".join(f"{full} ({header_full[b]})" for b in budgets) + " |"]
+        rows = {}
+        for r in result["perplexity"][1:]:
+            rows.setdefault(r["policy"], {})[r["budget"]] = r
+        for policy, by_budget in rows.items():
+            lines.append(f"| {policy} | " + " | ".join(
+                f"{by_budget[b]['ppl']} ({by_budget[b]['ppl_past_budget']})" for b in budgets) + " |")
+        lines.append("")
+    if "fidelity" in result:
+        decode = sorted({r["decode_budget"] for r in result["fidelity"]})
+        lines += [f"Greedy generation of {result['gen_tokens']} tokens (ignore_eos) from a "
+                  f"{result['gen_prompt_tokens']}-token chat prompt with a decode budget, against the full cache: "
+                  "first divergence (token index) / share of equal tokens.", "",
+                  "| policy | " + " | ".join(f"K_d {k}" for k in decode) + " |", "|---|" + "---|" * len(decode)]
+        fid = {}
+        for r in result["fidelity"]:
+            fid.setdefault(r["policy"], {})[r["decode_budget"]] = r
+        for policy, by_budget in fid.items():
+            lines.append(f"| {policy} | " + " | ".join(
+                f"{by_budget[k]['first_divergence']} / {by_budget[k]['agreement']:.2f}" for k in decode) + " |")
+        lines.append("")
+    if "decode_policy" in result:
+        dp = result["decode_policy"]
+        prompt_only, rows = dp["rows"][0], dp["rows"][1:]
+        decode = sorted({r["decode_budget"] for r in rows})
+        lines += [f"Greedy generation of {result['gen_tokens']} tokens (ignore_eos) from a {dp['prompt_tokens']}-token "
+                  f"chat prompt ({dp['context_tokens']} tokens of CPython sources and a request to explain them), "
+                  f"evicted at its end by {dp['policy']} at budget {dp['budget']}, then decode points every 128 "
+                  "tokens scored by each decode policy: first divergence / share of equal tokens against the full "
+                  "cache; in brackets, against the prompt's eviction alone (no decode budget). The prompt's "
+                  f"eviction alone against the full cache: {prompt_only['first_divergence']} / "
+                  f"{prompt_only['agreement']:.2f}.", "",
+                  "| decode policy | " + " | ".join(f"K_d {k}" for k in decode) + " |", "|---|" + "---|" * len(decode)]
+        by_policy = {}
+        for r in rows:
+            by_policy.setdefault(r["decode_policy"], {})[r["decode_budget"]] = r
+        for policy, by_budget in by_policy.items():
+            lines.append(f"| {policy} | " + " | ".join(
+                f"{r['first_divergence']} / {r['agreement']:.2f} ({r['first_divergence_prompt_only']} / "
+                f"{r['agreement_prompt_only']:.2f})" for r in (by_budget[k] for k in decode)) + " |")
+    path.write_text("\n".join(lines).rstrip("\n") + "\n")
 
 
 def plot(result: dict, path: Path) -> None:
