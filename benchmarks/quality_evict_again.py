@@ -91,8 +91,8 @@ def main() -> int:
     model = prepare_smollm2()
     started = time.time()
     llm = make_llm(str(model), dtype="float32", block_size=16, kv_cache_memory_bytes=1 << 30,
-                   max_model_len=max(args.ppl_tokens, args.gen_tokens + args.context_tokens + 256) + 16, max_num_seqs=64,
-                   max_num_batched_tokens=2048)
+                   max_model_len=max(args.ppl_tokens, args.gen_tokens + args.context_tokens + 256) + 16,
+                   max_num_seqs=64, max_num_batched_tokens=2048)
     tokenizer = llm.get_tokenizer()
     text_ids = tokenizer(stdlib_text())["input_ids"][: args.ppl_tokens]
 
@@ -182,9 +182,10 @@ def decode_policy_rows(llm, params, prompt: list[int], args) -> list[dict]:
         got = list(out.outputs[0].token_ids)
         report = (out.kv_transfer_params or {}).get("vllm_evict", {})
         assert report.get("decode_policy") == case["decode_policy"], report
+        against_prompt_only = agreement(got, prompt_only)
         rows.append({"decode_policy": case["decode_policy"], "decode_budget": case["decode_budget"],
                      **dict(zip(("first_divergence", "agreement"), agreement(got, full))),
-                     **dict(zip(("first_divergence_prompt_only", "agreement_prompt_only"), agreement(got, prompt_only))),
+                     **dict(zip(("first_divergence_prompt_only", "agreement_prompt_only"), against_prompt_only)),
                      "decode_compactions": report.get("decode_compactions")})
     return rows
 

@@ -167,7 +167,7 @@ class Point:
     fixed: int          # leading held tokens that are not candidates (protect_prompt at a decode point)
     pages: int          # budget pages per head of the candidates: P (prompt points) or P_d (decode points)
     window: int         # protected last candidates (query-based: their queries score), w clamped to them
-    sink: int           # protected first candidates (those whose original position is < sink)
+    sink: int           # protected first candidates each head holds (DESIGN.md §4.8 a)
     decode: bool
     in_place: bool      # written into the request's own first blocks (else into F fresh ones: one-shot)
     config: EvictionConfig  # what scores and selects there: the request's, or its chunk config (block-wise cuts
@@ -234,7 +234,8 @@ class CompactionSchedule:
         config, bs = self.decode_config, self.page_size
         fixed = self.prompt_held if self.spec.protect_prompt else 0
         candidates = held - fixed
-        # sink: candidates whose original position is < sink (generated tokens start at position n)
+        # sink: the first candidates each head holds; under protect_prompt those whose original position is
+        # below it (generated tokens start at position n)
         sink = max(0, config.sink_size() - self.num_prompt_tokens) if fixed else config.sink_size()
         window = min(config.window_size(), candidates)
         protected = min(candidates, min(sink, candidates) + window)
