@@ -47,11 +47,25 @@ def stdlib_text() -> str:
     return "\n\n".join((root / name).read_text() for name in STDLIB_FILES)
 
 
-def agreement(got: list[int], reference: list[int]) -> tuple[int, float]:
-    """The first index where `got` differs from `reference` (its length if nowhere), and the share of equal
-    positions."""
+def agreement(got: list[int], reference: list[int], suffix: str = "") -> dict:
+    """`first_divergence`: the first index where `got` differs from `reference` (its length if nowhere);
+    `agreement`: the share of equal positions (each key with `suffix`)."""
     first = next((i for i, (a, b) in enumerate(zip(got, reference)) if a != b), len(reference))
-    return first, round(sum(a == b for a, b in zip(got, reference)) / len(reference), 4)
+    return {"first_divergence" + suffix: first,
+            "agreement" + suffix: round(sum(a == b for a, b in zip(got, reference)) / len(reference), 4)}
+
+
+def markdown_table(rows: list[dict], row_key: str, column_key: str, header: str, column_label, cell) -> list[str]:
+    """A table with a line per value of row_key (in first-seen order) and a column per value of column_key
+    (sorted): `cell(row)` of the row holding both."""
+    columns = sorted({r[column_key] for r in rows})
+    grid: dict = {}
+    for r in rows:
+        grid.setdefault(r[row_key], {})[r[column_key]] = r
+    lines = [f"| {header} | " + " | ".join(column_label(c) for c in columns) + " |", "|---|" + "---|" * len(columns)]
+    for key, by_column in grid.items():
+        lines.append(f"| {key} | " + " | ".join(cell(by_column[c]) for c in columns) + " |")
+    return lines
 
 
 def perplexity(logprobs: list[float]) -> float:
@@ -160,10 +174,10 @@ def fidelity_rows(llm, params, chat: list[int], args, policies: list[str]) -> li
     full = list(outs[0].outputs[0].token_ids)
     gen_rows = []
     for case, out in zip(gen_cases[1:], outs[1:]):
-        first, share = agreement(list(out.outputs[0].token_ids), full)
         report = (out.kv_transfer_params or {}).get("vllm_evict", {})
-        gen_rows.append({"policy": case["policy"], "decode_budget": case["decode_budget"], "first_divergence": first,
-                         "agreement": share, "decode_compactions": report.get("decode_compactions")})
+        gen_rows.append({"policy": case["policy"], "decode_budget": case["decode_budget"],
+                         **agreement(list(out.outputs[0].token_ids), full),
+                         "decode_compactions": report.get("decode_compactions")})
     return gen_rows
 
 
@@ -176,16 +190,13 @@ def decode_policy_rows(llm, params, prompt: list[int], args) -> list[dict]:
     outs = llm.generate([{"prompt_token_ids": prompt}] * len(cases),
                         [params(c, max_tokens=args.gen_tokens, ignore_eos=True) for c in cases])
     full, prompt_only = (list(out.outputs[0].token_ids) for out in outs[:2])
-    rows = [{"decode_policy": None, "decode_budget": None,
-             **dict(zip(("first_divergence", "agreement"), agreement(prompt_only, full)))}]
+    rows = [{"decode_policy": None, "decode_budget": None, **agreement(prompt_only, full)}]
     for case, out in zip(cases[2:], outs[2:]):
         got = list(out.outputs[0].token_ids)
         report = (out.kv_transfer_params or {}).get("vllm_evict", {})
         assert report.get("decode_policy") == case["decode_policy"], report
-        against_prompt_only = agreement(got, prompt_only)
         rows.append({"decode_policy": case["decode_policy"], "decode_budget": case["decode_budget"],
-                     **dict(zip(("first_divergence", "agreement"), agreement(got, full))),
-                     **dict(zip(("first_divergence_prompt_only", "agreement_prompt_only"), against_prompt_only)),
+                     **agreement(got, full), **agreement(got, prompt_only, "_prompt_only"),
                      "decode_compactions": report.get("decode_compactions")})
     return rows
 
@@ -193,53 +204,34 @@ def decode_policy_rows(llm, params, prompt: list[int], args) -> list[dict]:
 def write_markdown(result: dict, path: Path) -> None:
     lines = []
     if "perplexity" in result:
-        full = result["perplexity"][0]["ppl"]
-        budgets = sorted({r["budget"] for r in result["perplexity"][1:]})
-        header_full = {r["budget"]: r["full_ppl_past_budget"] for r in result["perplexity"][1:]}
+        full, rows = result["perplexity"][0]["ppl"], result["perplexity"][1:]
+        full_past = {r["budget"]: r["full_ppl_past_budget"] for r in rows}
+        table = markdown_table(rows, "policy", "budget", "policy", lambda b: f"budget {b}",
+                               lambda r: f"{r['ppl']} ({r['ppl_past_budget']})")
+        table.insert(2, "| full cache | " + " | ".join(f"{full} ({full_past[b]})" for b in sorted(full_past)) + " |")
         lines += [f"Perplexity of {result['text']['tokens']} tokens of CPython sources (full cache {full}), "
                   f"block-wise eviction in chunks of {result['chunk_size']} tokens; in brackets, over the positions "
-                  "past the budget (full cache there in the header).", "",
-                  "| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets),
-                  "| full cache | " + " | ".join(f"{full} ({header_full[b]})" for b in budgets) + " |"]
-        rows = {}
-        for r in result["perplexity"][1:]:
-            rows.setdefault(r["policy"], {})[r["budget"]] = r
-        for policy, by_budget in rows.items():
-            lines.append(f"| {policy} | " + " | ".join(
-                f"{by_budget[b]['ppl']} ({by_budget[b]['ppl_past_budget']})" for b in budgets) + " |")
-        lines.append("")
+                  "past the budget (full cache there in the header).", "", *table, ""]
+    def divergence(row: dict, suffix: str = "") -> str:
+        return f"{row['first_divergence' + suffix]} / {row['agreement' + suffix]:.2f}"
+
     if "fidelity" in result:
-        decode = sorted({r["decode_budget"] for r in result["fidelity"]})
         lines += [f"Greedy generation of {result['gen_tokens']} tokens (ignore_eos) from a "
                   f"{result['gen_prompt_tokens']}-token chat prompt with a decode budget, against the full cache: "
                   "first divergence (token index) / share of equal tokens.", "",
-                  "| policy | " + " | ".join(f"K_d {k}" for k in decode) + " |", "|---|" + "---|" * len(decode)]
-        fid = {}
-        for r in result["fidelity"]:
-            fid.setdefault(r["policy"], {})[r["decode_budget"]] = r
-        for policy, by_budget in fid.items():
-            lines.append(f"| {policy} | " + " | ".join(
-                f"{by_budget[k]['first_divergence']} / {by_budget[k]['agreement']:.2f}" for k in decode) + " |")
-        lines.append("")
+                  *markdown_table(result["fidelity"], "policy", "decode_budget", "policy", lambda k: f"K_d {k}",
+                                  divergence), ""]
     if "decode_policy" in result:
         dp = result["decode_policy"]
-        prompt_only, rows = dp["rows"][0], dp["rows"][1:]
-        decode = sorted({r["decode_budget"] for r in rows})
+        prompt_only = dp["rows"][0]
         lines += [f"Greedy generation of {result['gen_tokens']} tokens (ignore_eos) from a {dp['prompt_tokens']}-token "
                   f"chat prompt ({dp['context_tokens']} tokens of CPython sources and a request to explain them), "
                   f"evicted at its end by {dp['policy']} at budget {dp['budget']}, then decode points every 128 "
                   "tokens scored by each decode policy: first divergence / share of equal tokens against the full "
                   "cache; in brackets, against the prompt's eviction alone (no decode budget). The prompt's "
-                  f"eviction alone against the full cache: {prompt_only['first_divergence']} / "
-                  f"{prompt_only['agreement']:.2f}.", "",
-                  "| decode policy | " + " | ".join(f"K_d {k}" for k in decode) + " |", "|---|" + "---|" * len(decode)]
-        by_policy = {}
-        for r in rows:
-            by_policy.setdefault(r["decode_policy"], {})[r["decode_budget"]] = r
-        for policy, by_budget in by_policy.items():
-            lines.append(f"| {policy} | " + " | ".join(
-                f"{r['first_divergence']} / {r['agreement']:.2f} ({r['first_divergence_prompt_only']} / "
-                f"{r['agreement_prompt_only']:.2f})" for r in (by_budget[k] for k in decode)) + " |")
+                  f"eviction alone against the full cache: {divergence(prompt_only)}.", "",
+                  *markdown_table(dp["rows"][1:], "decode_policy", "decode_budget", "decode policy",
+                                  lambda k: f"K_d {k}", lambda r: f"{divergence(r)} ({divergence(r, '_prompt_only')})")]
     path.write_text("\n".join(lines).rstrip("\n") + "\n")
 
 
