@@ -782,6 +782,8 @@ AT_CAPACITY_32K = ["--prompt-len", "32768", "--max-tokens", "256", "--num-reques
                    "--max-num-seqs", "1024"]
 E2E_16K = ["--shapes", "16384:512:64"]
 FP8 = ["--kv-cache-dtype", "fp8"]
+# vLLM's per-token-head caches (TRITON_ATTN): a scale per token and head beside int8 / fp8 / int4 data
+PER_TOKEN_HEAD = {bits: ["--kv-cache-dtype", f"{bits}_per_token_head"] for bits in ("int8", "fp8", "int4")}
 BLOCKWISE_POOL = ["--kv-cache-memory-bytes", str(8 << 30), "--memory-lengths", "32768", "65000", "131000"]
 
 
@@ -842,11 +844,22 @@ PLANS = {
     "capacity-32k-fp8": [("vanilla", "capacity", CAPACITY_32K + ["--num-requests", "144"] + FP8, 300),
                          ("evict", "capacity", CAPACITY_32K + ["--shared-prefix", "--capacity-configs", "0.1:uniform"]
                           + FP8, 300)],
+    # vanilla on the per-token-head cache (about 1.9x / 3.8x bf16's tokens), DropKV 10% on it (up to 2,048
+    # requests at once: int4 holds about 1,000)
+    **{f"capacity-32k-{bits}-per-token-head": [
+        ("vanilla", "capacity", CAPACITY_32K + ["--num-requests", str(requests)] + PER_TOKEN_HEAD[bits], 300),
+        ("evict", "capacity", CAPACITY_32K + ["--max-num-seqs", "2048", "--shared-prefix",
+                                              "--capacity-configs", "0.1:uniform"] + PER_TOKEN_HEAD[bits], 300)]
+       for bits, requests in (("int8", 72), ("fp8", 72), ("int4", 144))},
     # decode throughput at capacity and end to end at 16K, bf16 against fp8 cache (--shared-prefix: load only)
     "capacity-e2e-bf16": [("vanilla", "load,e2e", AT_CAPACITY_32K + E2E_16K, 280),
                           ("evict", "load,e2e", AT_CAPACITY_32K + E2E_16K + ["--shared-prefix"], 220)],
     "capacity-e2e-fp8": [("vanilla", "load,e2e", AT_CAPACITY_32K + E2E_16K + FP8, 290),
                          ("evict", "load,e2e", AT_CAPACITY_32K + E2E_16K + ["--shared-prefix"] + FP8, 230)],
+    "capacity-e2e-int4-per-token-head": [
+        ("vanilla", "load,e2e", AT_CAPACITY_32K + E2E_16K + PER_TOKEN_HEAD["int4"], 290),
+        ("evict", "load,e2e", AT_CAPACITY_32K + ["--max-num-seqs", "2048"] + E2E_16K + ["--shared-prefix"]
+         + PER_TOKEN_HEAD["int4"], 290)],
     # end to end against the physical limit (vanilla measures it): DropKV uniform and Ada-KV on one engine
     "e2e-8k-2k-16k-512": [("vanilla", "e2e", E2E_8K_16K, 320),
                           ("evict", "e2e", E2E_8K_16K + ["--allocation", "uniform,adakv"], 300)],
@@ -1102,7 +1115,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (GPUs of their own)")
     o.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
                    help="vLLM's executor of the workers when there are several (ray: GPU only)")
-    o.add_argument("--kv-cache-dtype", default="auto", help="GPU: vLLM's --kv-cache-dtype (auto or fp8)")
+    o.add_argument("--kv-cache-dtype", default="auto",
+                   help="GPU: vLLM's --kv-cache-dtype (auto, fp8, int8_per_token_head, ...)")
     o.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="KV pool size (CPU default 256 MiB; GPU default: vLLM's, from --gpu-memory-utilization 0.9)")
     o.add_argument("--allow-long-prompts", action="store_true", help="evict engine: --max-model-len may exceed the pool")

@@ -69,7 +69,7 @@ def test_compaction_slots_flat_layout():
 
 @pytest.mark.parametrize("policy, allocation", [("dropkv", "uniform"), ("snapkv", "adakv"), ("knorm", "adakv"),
                                                 ("keydiff", "uniform"), ("caote", "uniform")])
-def test_all_layers_at_once_equal_layer_by_layer(monkeypatch, policy, allocation):
+def test_all_layers_at_once_equal_layer_by_layer(policy, allocation):
     """compact_request folds the layers of a group into the head axis: every layer's cache and layout must
     equal scoring, selecting and writing that layer alone; groups of 1, 2 and all 3 layers."""
     torch.manual_seed(4)
@@ -93,7 +93,6 @@ def test_all_layers_at_once_equal_layer_by_layer(monkeypatch, policy, allocation
 
     per_layer = 2 * E * H * D * 4
     for group_layers in (1, 2, 3):
-        monkeypatch.setattr(compaction, "GROUP_BYTES", group_layers * per_layer)
         layers = []
         for i in range(num_layers):
             kv, cache = make_cache()
@@ -101,7 +100,8 @@ def test_all_layers_at_once_equal_layer_by_layer(monkeypatch, policy, allocation
             layers.append((i, cache, kv))
         state = WorkerEviction.for_prompt("r", RequestEviction(config), E, N, q_window=q_window)
         assert state.pages == P
-        compaction.compact_request(state, [(i, cache) for i, cache, _ in layers], 0.125, prompt_blocks, fresh)
+        compaction.compact_request(state, [(i, cache) for i, cache, _ in layers], 0.125, prompt_blocks, fresh,
+                                   group_bytes=group_layers * per_layer)
         for i, _, kv in layers:
             pages, counts, kept = expected[i]
             assert torch.equal(kv[fresh.long()], pages), (group_layers, i)
@@ -112,7 +112,7 @@ def test_all_layers_at_once_equal_layer_by_layer(monkeypatch, policy, allocation
 
 @pytest.mark.parametrize("policy, allocation", [("dropkv", "uniform"), ("snapkv", "adakv"), ("keydiff", "uniform"),
                                                 ("h2o", "adakv")])
-def test_requests_compacted_together_equal_each_alone(monkeypatch, policy, allocation):
+def test_requests_compacted_together_equal_each_alone(policy, allocation):
     """compact_requests folds the requests of one batch key into the head axis next to the layers: every
     request's pages and layout equal compacting it alone, with all requests in one group and with one
     layer of one request per group."""
@@ -126,7 +126,7 @@ def test_requests_compacted_together_equal_each_alone(monkeypatch, policy, alloc
     keys[:, :, : E // 2, 1, 0] += 12
     q_window = torch.randn(R, num_layers, config.window_size(), 2 * H, D)
 
-    def run(batches):
+    def run(batches, group_bytes=compaction.GROUP_BYTES):
         layers = [make_cache() for _ in range(num_layers)]
         for i, (kv, _) in enumerate(layers):
             for r in range(R):
@@ -135,14 +135,14 @@ def test_requests_compacted_together_equal_each_alone(monkeypatch, policy, alloc
                   for r in range(R)]
         for batch in batches:
             compaction.compact_requests([(states[r], prompt_blocks[r], fresh[r]) for r in batch],
-                                        [(i, cache) for i, (_, cache) in enumerate(layers)], 0.125)
+                                        [(i, cache) for i, (_, cache) in enumerate(layers)], 0.125,
+                                        group_bytes=group_bytes)
         return [kv for kv, _ in layers], states
 
     alone, alone_states = run([[r] for r in range(R)])
     per_layer = 2 * E * H * D * 4
     for group_bytes in (R * num_layers * per_layer, per_layer):
-        monkeypatch.setattr(compaction, "GROUP_BYTES", group_bytes)
-        together, states = run([list(range(R))])
+        together, states = run([list(range(R))], group_bytes)
         for i in range(num_layers):
             assert torch.equal(together[i], alone[i]), (group_bytes, i)
             for state, expected in zip(states, alone_states):
@@ -153,18 +153,17 @@ def test_requests_compacted_together_equal_each_alone(monkeypatch, policy, alloc
         assert any(len(set(c)) > 1 for c in counts)
 
 
-def test_compaction_batches_group_equal_keys_within_group_bytes(monkeypatch):
-    """Requests batch with the requests of equal batch key, up to GROUP_BYTES with all layers; a policy that
+def test_compaction_batches_group_equal_keys_within_group_bytes():
+    """Requests batch with the requests of equal batch key, up to group_bytes with all layers; a policy that
     reads token positions (random) compacts alone."""
     def state(policy, prompt_len, budget=64):
         config = EvictionConfig.from_dict({"policy": policy, "budget": budget})
         return WorkerEviction.for_prompt(policy, RequestEviction(config), prompt_len, N)
 
     per_request = 2 * 200 * 4 * H * D * 4  # held 200 tokens, 4 layers, float32
-    monkeypatch.setattr(compaction, "GROUP_BYTES", 2 * per_request)
     a1, b1, a2, a3, c1, r1, r2 = (state("dropkv", 200), state("snapkv", 200), state("dropkv", 200), state("dropkv", 200),
                                   state("dropkv", 208), state("random", 200), state("random", 200))
-    batches = compaction.compaction_batches([a1, b1, a2, a3, c1, r1, r2], 4, H, D, 4)
+    batches = compaction.compaction_batches([a1, b1, a2, a3, c1, r1, r2], 4, H, 2 * D * 4, 2 * per_request)
     assert batches == [[a1, a2], [b1], [a3], [c1], [r1], [r2]]
 
 

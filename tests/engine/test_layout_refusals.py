@@ -58,6 +58,39 @@ def test_layouts_that_cannot_evict_say_why(specs, words):
     assert group is None and words in reason
 
 
+@pytest.mark.parametrize("cache_dtype, backend, per_head", [
+    ("auto", None, True), ("fp8", None, True), ("auto", "FLASH_ATTN", True),
+    ("int8_per_token_head", None, False), ("int4_per_token_head", None, False), ("auto", "TRITON_ATTN", False)])
+def test_adakv_is_refused_where_attention_has_no_per_head_path(monkeypatch, cache_dtype, backend, per_head):
+    """Ada-KV's per-head layout needs the per-head attention path, which the Triton backend (per-token-head
+    caches, or picked by name) does not have: refused where requests arrive, naming the backend; uniform
+    allocation passes everywhere. (The engine rule alone: the engine's model checks are stubbed.)"""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_evict.engine import layout
+    from vllm_evict.engine.request_config import RequestEviction
+    from vllm_evict.policies import EvictionConfig
+
+    monkeypatch.setattr(layout, "model_refusal", lambda *args: None)
+    vllm_config = SimpleNamespace(
+        model_config=None, scheduler_config=None, speculative_config=None,
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype, block_size=PAGE),
+        attention_config=SimpleNamespace(backend=backend and AttentionBackendEnum[backend]))
+    assert layout.per_head_attention(vllm_config) == per_head
+
+    def request(allocation):
+        return RequestEviction(EvictionConfig.from_dict({"policy": "snapkv", "budget": 0.2, "allocation": allocation}))
+
+    layout.check_on_engine(request("uniform"), vllm_config)
+    if per_head:
+        layout.check_on_engine(request("adakv"), vllm_config)
+    else:
+        with pytest.raises(ValueError, match="allocation 'adakv' is not supported .*TRITON_ATTN"):
+            layout.check_on_engine(request("adakv"), vllm_config)
+
+
 @pytest.fixture(scope="module")
 def model():
     from vllm_evict.testing.tiny_models import ensure_tiny_model

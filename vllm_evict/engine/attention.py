@@ -27,26 +27,34 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.model_executor.models.utils import extract_layer_index
-from vllm.platforms import current_platform
 
 from vllm_evict.engine import per_head
 from vllm_evict.engine.step import BUILD, PerHeadDecodeBatch, StagedDecodeBatch, graph_step
 
 
-# Quantized caches eviction handles: vLLM's FlashAttention fp8 (e4m3, per-layer k/v scales) on CUDA
-FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+# The quantized caches eviction handles, by CUDA attention backend (vLLM picks the backend from the dtype):
+# FlashAttention's fp8 (e4m3, per-layer k/v scales), the Triton backend's per-token-head caches (a scale per
+# token and head beside its data). Other platforms evict model-dtype caches only.
+QUANTIZED_CACHE_DTYPES = {"FLASH_ATTN": ("fp8", "fp8_e4m3"),
+                          "TRITON_ATTN": ("int8_per_token_head", "fp8_per_token_head", "int4_per_token_head")}
+MODEL_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
-def check_cache_dtype(cache_dtype: str, cuda: bool) -> None:
-    """Refuse, at engine start, a KV cache dtype that eviction cannot handle: any quantized cache but
-    e4m3 fp8 on CUDA (compaction moves its bytes; scoring reads it dequantized; cuda_backend.py)."""
+def check_cache_dtype(cache_dtype: str, backend: str) -> None:
+    """Refuse, at engine start, a KV cache dtype that eviction cannot handle on this attention backend
+    (compaction moves a quantized cache's bytes, scoring reads them dequantized: cuda_backend.py,
+    triton_backend.py). The message names every dtype that evicts on this platform."""
     cache_dtype = str(cache_dtype)
-    if cache_dtype in ("auto", "bfloat16", "float16", "float32") or (cuda and cache_dtype in FP8_CACHE_DTYPES):
+    if cache_dtype in MODEL_CACHE_DTYPES + QUANTIZED_CACHE_DTYPES.get(backend, ()):
         return
+    if backend in QUANTIZED_CACHE_DTYPES:  # CUDA
+        choices = "auto, " + ", ".join(f"{' or '.join(dtypes)} ({name})" for name, dtypes in QUANTIZED_CACHE_DTYPES.items())
+    else:
+        choices = "auto"
     raise ValueError(f"vllm-evict does not support the KV cache dtype {cache_dtype!r} "
-                     f"(--kv-cache-dtype {cache_dtype}){'' if cuda else ' on this platform'}: start with "
-                     f"--kv-cache-dtype auto{' or fp8' if cuda else ''}, or disable the plugin (VLLM_PLUGINS=none) "
-                     "to serve it without eviction")
+                     f"(--kv-cache-dtype {cache_dtype}) on the {backend} attention backend: start with "
+                     f"--kv-cache-dtype {choices}, or disable the plugin (VLLM_PLUGINS=none) to serve it "
+                     "without eviction")
 
 
 def layer_graph(kind, attn_metadata):
@@ -103,12 +111,14 @@ class EvictionMetadataBuilderMixin:
 
 
 class EvictionAttentionMixin:
-    """Mixed into a stock AttentionImpl (CPU_ATTN or FLASH_ATTN)."""
+    """Mixed into a stock AttentionImpl (CPU_ATTN, FLASH_ATTN or TRITON_ATTN)."""
+
+    backend_name = ""  # the stock backend's name (check_cache_dtype)
 
     def __init__(self, *args, **kwargs) -> None:
         # before the stock impl's own checks: the user reads why eviction refuses the setting
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
-        check_cache_dtype(bound.arguments["kv_cache_dtype"], current_platform.is_cuda())
+        check_cache_dtype(bound.arguments["kv_cache_dtype"], self.backend_name)
         self.model_dtype = get_current_vllm_config().model_config.dtype  # what compaction scores a quantized cache's K/V in
         super().__init__(*args, **kwargs)
 

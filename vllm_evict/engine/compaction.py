@@ -23,8 +23,8 @@ of the others, and the scheduler hears from the last stage only.
 Compaction runs once per step, after the model forward (worker.py), over all layers of a request:
 layers are folded into the head axis (layer-major: head l*H + h), so one scoring call, one selection
 and one slot computation serve a group of layers; a group's gathered prompt KV is bounded by
-GROUP_BYTES. Everything, Ada-KV's exact page rounding (DESIGN.md §3.4) included, runs on the cache's device
-without host synchronisation.
+group_bytes (half the activation memory vLLM profiled, at least GROUP_BYTES). Everything, Ada-KV's exact
+page rounding (DESIGN.md §3.4) included, runs on the cache's device without host synchronisation.
 """
 
 from __future__ import annotations
@@ -42,9 +42,18 @@ from vllm_evict.policies.config import EvictionConfig
 from vllm_evict.policies.random import TokenContext
 from vllm_evict.policies.selection import stable_sort
 
-# Gathered prompt K/V of one layer group: below the activation memory vLLM profiled for a forward pass
-# (the forward's activations are free when compaction runs), so the KV cache it sized is never short.
+# Gathered K/V of one compaction batch, at least: below the activation memory vLLM profiles for a forward
+# pass of any served model (the forward's activations are free when compaction runs), so the KV cache it
+# sized is never short. An engine raises it to half the activation memory it profiled (group_bytes).
 GROUP_BYTES = 512 << 20
+
+
+def group_bytes(peak_activation_bytes: int | None) -> int:
+    """The gathered K/V one compaction batch may hold on an engine whose profiled forward peaked at
+    peak_activation_bytes (vLLM keeps that much outside the KV cache): half of it, the other half for the
+    scores and slot tables beside them, and at least GROUP_BYTES. Fewer, larger batches cost less host time
+    (each batch is a fixed set of launches per layer group)."""
+    return max(GROUP_BYTES, (peak_activation_bytes or 0) // 2)
 DUMP_DIR = os.environ.get("VLLM_EVICT_DUMP_KEEP")
 
 
@@ -200,11 +209,12 @@ def compaction_slots(keep: torch.Tensor, page_counts: torch.Tensor, fresh_blocks
     return torch.where(keep, slot, -1).transpose(-1, -2)
 
 
-def layer_groups(layers: list, prompt_len: int, num_heads: int, head_dim: int, itemsize: int) -> list[list]:
-    """Consecutive layers whose gathered K and V (itemsize bytes per element, dequantized copies included)
-    fit GROUP_BYTES together (at least one layer each)."""
-    per_layer = 2 * prompt_len * num_heads * head_dim * itemsize
-    size = max(1, GROUP_BYTES // per_layer)
+def layer_groups(layers: list, prompt_len: int, num_heads: int, token_head_bytes: int,
+                 group_bytes: int = GROUP_BYTES) -> list[list]:
+    """Consecutive layers whose gathered K and V (token_head_bytes per token and head: the adapter's
+    gathered_bytes, dequantized copies included) fit group_bytes together (at least one layer each)."""
+    per_layer = prompt_len * num_heads * token_head_bytes
+    size = max(1, group_bytes // per_layer)
     return [layers[i: i + size] for i in range(0, len(layers), size)]
 
 
@@ -219,15 +229,16 @@ def batch_key(state) -> tuple | None:
             None if point.in_place else state.blocks, state.stock_layout)
 
 
-def compaction_batches(states: list, num_layers: int, num_heads: int, head_dim: int, itemsize: int) -> list[list]:
+def compaction_batches(states: list, num_layers: int, num_heads: int, token_head_bytes: int,
+                       group_bytes: int = GROUP_BYTES) -> list[list]:
     """The requests of one step, in batches for compact_requests: equal batch keys, at most as many as fit
-    GROUP_BYTES with all their layers (a request too large for that is a batch of its own)."""
+    group_bytes with all their layers (a request too large for that is a batch of its own)."""
     batches, open_batches = [], {}
     for state in states:
         key = batch_key(state)
-        per_request = 2 * state.gathered_tokens * num_layers * num_heads * head_dim * itemsize
+        per_request = state.gathered_tokens * num_layers * num_heads * token_head_bytes
         batch = open_batches.get(key) if key is not None else None
-        if batch is None or (len(batch) + 1) * per_request > GROUP_BYTES:
+        if batch is None or (len(batch) + 1) * per_request > group_bytes:
             batch = []
             batches.append(batch)
             if key is not None:
@@ -237,14 +248,15 @@ def compaction_batches(states: list, num_layers: int, num_heads: int, head_dim: 
 
 
 def compact_request(state, layers: list[tuple[int, object]], scale: float, prompt_blocks: torch.Tensor,
-                    fresh_blocks: torch.Tensor, heads: KVHeadGroup = KVHeadGroup()) -> torch.Tensor | None:
+                    fresh_blocks: torch.Tensor, heads: KVHeadGroup = KVHeadGroup(),
+                    group_bytes: int = GROUP_BYTES) -> torch.Tensor | None:
     """compact_requests for one request."""
-    return compact_requests([(state, prompt_blocks, fresh_blocks)], layers, scale, heads)
+    return compact_requests([(state, prompt_blocks, fresh_blocks)], layers, scale, heads, group_bytes=group_bytes)
 
 
 def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], scale: float,
                      heads: KVHeadGroup = KVHeadGroup(), rotation: torch.Tensor | None = None,
-                     followers: dict[int, list] | None = None) -> torch.Tensor | None:
+                     followers: dict[int, list] | None = None, group_bytes: int = GROUP_BYTES) -> torch.Tensor | None:
     """Score, select and move the tokens each request holds at its next compaction point (request_config.Point:
     its prompt up to E, or, evicting again, its kept pages and the tokens since) into their blocks, in every
     layer. Several requests (one batch_key) fold into the head axis next to the layers, so one scoring call,
@@ -273,7 +285,7 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     # head by head)
     written = torch.stack([blocks for _, _, blocks in requests])
     read = None if per_head else torch.stack([blocks for _, blocks, _ in requests])
-    groups = layer_groups(layers, held * R, cache.num_heads, cache.head_dim, cache.gathered_itemsize)
+    groups = layer_groups(layers, held * R, cache.num_heads, cache.gathered_bytes, group_bytes)
     options = {**config.score_options(), "window": point.window, "sink": point.sink, "future_rotation": rotation}
     # Ada-KV under TP: the layout spans the blocks of the fullest rank over all layers, known once every
     # layer is selected, so the groups are written after that (gathered again, all but the last). Under
@@ -288,7 +300,7 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
             keys, values, lengths = _gather_heads(cache, group, requests, held)
         else:
             keys, values = _gather(cache, group, read, held)
-        G, H, D = len(group), cache.num_heads, cache.head_dim
+        G, H = len(group), cache.num_heads
         q_window = None
         if state.window:  # [w, R, G, Hq, D] of every request's [L, w, Hq, D]
             q_window = group_layers(torch.stack([s.q_window for s, _, _ in requests], dim=1), group, 0)
@@ -302,7 +314,7 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
             positions = _held_positions(state, point, group, H, held, keys.device)
             context = _token_context(state, point, positions, group, heads)
         n = held - fixed  # the candidates: every held token, or under protect_prompt the generated ones
-        flat = (n, R * G * H, D)
+        flat = (n, R * G * H, scored_keys.shape[-1])
         keep, counts = select_group(config, q_window, scored_keys[fixed:].view(flat), scored_values[fixed:].view(flat), scale,
                                     state.page_size, point.pages, num_layers=R * G, heads=heads, options=options,
                                     context=context, lengths=None if lengths is None else (lengths - fixed).view(-1))
@@ -372,7 +384,7 @@ def _token_context(state, point, positions: torch.Tensor, group: list, heads: KV
 def _gather(cache, group: list, blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """keys, values [n, R, G, H, D] of the first n held tokens of R requests (blocks [R, >= cdiv(n, page)])
     in a layer group: one launch."""
-    keys = torch.empty(n, blocks.shape[0], len(group), cache.num_heads, cache.head_dim, dtype=cache.dtype,
+    keys = torch.empty(n, blocks.shape[0], len(group), cache.num_heads, cache.stored_dim, dtype=cache.dtype,
                        device=cache.device)
     values = torch.empty_like(keys)
     cache.gather_layers([layer_cache for _, layer_cache in group], blocks, n, keys, values)
@@ -393,7 +405,7 @@ def _gather_heads(cache, group: list, requests: list[tuple], n: int) -> tuple:
     group (zero past a head's count), and the counts [R, G, H]: the head's kept tokens at the last point,
     then the tokens since, in its pages (per_head.head_pages over the request's blocks). One slot table for
     all requests and layers, one gather (the adapter's gather_held)."""
-    G, H, D, page, device = len(group), cache.num_heads, cache.head_dim, cache.page_size, cache.device
+    G, H, D, page, device = len(group), cache.num_heads, cache.stored_dim, cache.page_size, cache.device
     R = len(requests)
     states = [state for state, _, _ in requests]
     stacked = [stacked_counts(state, device) for state in states]                           # ([L, H], [L, H])

@@ -30,9 +30,14 @@ class CpuPagedCache:
         self.isa, self.k_scale, self.v_scale, self.dtype_str = isa, k_scale, v_scale, dtype_str
 
     @property
-    def gathered_itemsize(self) -> int:
-        """Bytes per gathered K/V element during compaction (a model-dtype cache: no dequantized copy)."""
-        return self.dtype.itemsize
+    def stored_dim(self) -> int:
+        """Elements of one token's key (or value) of one head as compaction gathers it."""
+        return self.head_dim
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of one token's gathered K and V of one head (a model-dtype cache: no dequantized copy)."""
+        return 2 * self.head_dim * self.dtype.itemsize
 
     @staticmethod
     def dequantize(caches: list["CpuPagedCache"], keys: torch.Tensor, values: torch.Tensor, queries):
@@ -89,6 +94,8 @@ class CpuPagedCache:
 
 
 class EvictCPUAttentionImpl(EvictionAttentionMixin, CPUAttentionBackendImpl):
+    backend_name = "CPU_ATTN"
+
     def _paged_cache(self, layer, kv_cache) -> CpuPagedCache:
         return CpuPagedCache(kv_cache, self.isa, layer._k_scale_float, layer._v_scale_float, self.kv_cache_dtype)
 

@@ -25,13 +25,13 @@ from vllm.platforms import current_platform
 from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, reshape_and_cache_flash
 
-from vllm_evict.kernels.paged_kv import gather_prompt, gather_slots, scatter_kept
 from vllm_evict.engine.attention import EvictionAttentionMixin, EvictionMetadataBuilderMixin
+from vllm_evict.engine.hnd_cache import HndPagedCache
 from vllm_evict.engine.per_head import DecodeGraphTables
 from vllm_evict.engine.step import BUILD
 
 
-class CudaPagedCache:
+class CudaPagedCache(HndPagedCache):
     def __init__(self, kv_cache: torch.Tensor, head_size: int, kv_cache_dtype: str, k_scale, v_scale,
                  q_scale=None, model_dtype: torch.dtype | None = None):
         B, H, N, two_d = kv_cache.shape
@@ -49,9 +49,9 @@ class CudaPagedCache:
         self.attn_value_pages = self.value_pages.view(fp8) if fp8 else self.value_pages
 
     @property
-    def gathered_itemsize(self) -> int:
-        """Bytes per gathered K/V element during compaction: the cache's, plus its dequantized copy."""
-        return self.dtype.itemsize + (self.model_dtype.itemsize if self.quantized else 0)
+    def gathered_bytes(self) -> int:
+        """Bytes of one token's gathered K and V of one head: the cache's, plus their dequantized copy."""
+        return 2 * self.head_dim * (self.dtype.itemsize + (self.model_dtype.itemsize if self.quantized else 0))
 
     @staticmethod
     def dequantize(caches: list["CudaPagedCache"], keys: torch.Tensor, values: torch.Tensor,
@@ -90,29 +90,10 @@ class CudaPagedCache:
         reshape_and_cache_flash(keys.unsqueeze(1), values.unsqueeze(1), self.key_pages, self.value_pages,
                                 slots.to(torch.int64), self.kv_cache_dtype, self.k_scale, self.v_scale)
 
-    @staticmethod
-    def gather_layers(caches: list["CudaPagedCache"], blocks: torch.Tensor, n: int, keys: torch.Tensor,
-                      values: torch.Tensor) -> None:
-        """keys/values [n, R, G, H, D] (contiguous) <- the first n prompt tokens of R requests (blocks [R, nb])
-        in G layers: one launch."""
-        rows = (n, keys.shape[1] * len(caches), *keys.shape[3:])
-        gather_prompt([c.kv_cache for c in caches], blocks, n, keys.view(rows), values.view(rows))
-
-    @staticmethod
-    def gather_held(caches: list["CudaPagedCache"], slots: torch.Tensor, keys: torch.Tensor,
-                    values: torch.Tensor) -> None:
-        """keys/values [n, G, H, D] <- the tokens at per-head slots [G, n, H] (zero where -1) of G layers
-        (a layer may repeat): one launch."""
-        gather_slots([c.kv_cache for c in caches], slots, keys, values)
-
-    @staticmethod
-    def write_layers(caches: list["CudaPagedCache"], keys: torch.Tensor, values: torch.Tensor,
-                     slots: torch.Tensor) -> None:
-        """Write keys/values [n, G, H, D] to per-head slots [G, n, H] (-1 = skip) of G layers: one launch."""
-        scatter_kept([c.kv_cache for c in caches], keys, values, slots)
-
 
 class EvictFlashAttentionImpl(EvictionAttentionMixin, FlashAttentionImpl):
+    backend_name = "FLASH_ATTN"
+
     def _paged_cache(self, layer, kv_cache) -> CudaPagedCache:
         return CudaPagedCache(kv_cache, self.head_size, self.kv_cache_dtype, layer._k_scale, layer._v_scale,
                               layer._q_scale, self.model_dtype)

@@ -65,10 +65,24 @@ def check_on_engine(spec, vllm_config) -> None:
     if reason is not None:
         raise ValueError(f"this model cannot evict: {reason} (send \"policy\": \"none\" or no eviction)")
     spec.check_page_size(vllm_config.cache_config.block_size)
+    if spec.config.allocation != "uniform" and not per_head_attention(vllm_config):
+        raise ValueError(f"allocation {spec.config.allocation!r} is not supported on this engine's attention "
+                         f"backend (TRITON_ATTN, KV cache dtype {vllm_config.cache_config.cache_dtype}): it evicts "
+                         "in the stock layout only; use \"allocation\": \"uniform\"")
     if drafts_with_kv_cache(vllm_config.speculative_config) and spec.config.allocation != "uniform":
         raise ValueError(f"allocation {spec.config.allocation!r} is not supported with a draft model that keeps "
                          f"its own KV cache (speculative method {vllm_config.speculative_config.method!r}): its "
                          "layers keep the target's kept tokens in the stock layout; use \"allocation\": \"uniform\"")
+
+
+def per_head_attention(vllm_config) -> bool:
+    """Whether the engine's attention runs Ada-KV's per-head layout. The Triton backend (per-token-head
+    caches, or picked with --attention-backend TRITON_ATTN) evicts in the stock layout only."""
+    from vllm.v1.kv_cache_interface import kv_cache_uses_per_token_head_scales
+
+    backend = vllm_config.attention_config.backend
+    return not (kv_cache_uses_per_token_head_scales(str(vllm_config.cache_config.cache_dtype))
+                or (backend is not None and backend.name == "TRITON_ATTN"))
 
 
 def drafts_with_kv_cache(speculative_config) -> bool:

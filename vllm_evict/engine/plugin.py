@@ -29,6 +29,8 @@ def register() -> None:
     elif current_platform.is_cuda():
         register_backend(AttentionBackendEnum.FLASH_ATTN,
                          "vllm_evict.engine.cuda_backend.EvictFlashAttentionBackend")
+        register_backend(AttentionBackendEnum.TRITON_ATTN,  # vLLM's backend for per-token-head caches
+                         "vllm_evict.engine.triton_backend.EvictTritonAttentionBackend")
         _install_triton_scoring()
     from vllm_evict.engine.runner_hooks import install_runner_hooks
 

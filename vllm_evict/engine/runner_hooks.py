@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from vllm_evict.engine.layout import per_head_attention
 from vllm_evict.engine.step import BUILD, PerHeadDecodeBatch, StagedDecodeBatch
 from vllm_evict.engine.warm_up import warm_up_scoring
 from vllm_evict.engine.worker import STATE
@@ -148,10 +149,13 @@ def install_runner_hooks() -> None:
 
         orig_init_keys(self, *args, **kwargs)
         num_heads = self.vllm_config.model_config.get_num_kv_heads(self.vllm_config.parallel_config)
+        per_head = per_head_attention(self.vllm_config)  # else no request is ever in per-head layout
         for desc in list(self.cudagraph_keys[CUDAGraphMode.FULL]):
             if desc.uniform and self.uniform_decode_query_len == 1:  # one token per row (per_head.py)
                 fields = dataclasses.asdict(desc)
                 self.add_cudagraph_key(CUDAGraphMode.FULL, StagedDecodeBatch(**fields))
+                if not per_head:
+                    continue
                 self.add_cudagraph_key(CUDAGraphMode.FULL, PerHeadDecodeBatch(**fields))
                 if desc.num_tokens * num_heads <= MAX_SPLIT_SEQUENCES:
                     self.add_cudagraph_key(CUDAGraphMode.FULL, PerHeadDecodeBatch(**fields, split_kv=True))
@@ -165,6 +169,7 @@ def install_runner_hooks() -> None:
 
     def kernel_warmup(worker):
         orig_kernel_warmup(worker)
+        STATE.size_batches(worker)
         warm_up_scoring(worker.model_runner)
 
     GPUModelRunner._update_states = _update_states

@@ -46,13 +46,19 @@ SURFACE: dict[str, dict[str, str]] = {
         "vllm.v1.spec_decode.llm_base_proposer:eagle_step_update_slot_mapping_and_metadata":
             "positions_1d, block_table_tensor, seq_lens, block_size, max_model_len, out_clamped_positions, "
             "out_slot_mapping, input_batch_size=",
-        # attention.py, cpu_backend.py, cuda_backend.py: metadata builders that add the step's plan, and the
+        # attention.py, cpu_backend.py, cuda_backend.py, triton_backend.py: metadata builders that add the step's plan, and the
         # KV write's metadata (vLLM calls do_kv_cache_update without it)
         "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.build":
             "self, common_prefix_len, common_attn_metadata, fast_build=",
         "vllm.v1.attention.backends.flash_attn:FlashAttentionMetadataBuilder.build":
             "self, common_prefix_len, common_attn_metadata, fast_build=",
+        "vllm.v1.attention.backends.triton_attn:TritonAttentionMetadataBuilder.build":
+            "self, common_prefix_len, common_attn_metadata, fast_build=",
         "vllm.model_executor.layers.attention.attention:get_attention_context": "layer_name",
+        # triton_backend.py: the per-token-head cache's [data | fp32 scale] halves, and int4's rotation (called)
+        "vllm.v1.attention.backends.triton_attn:TritonAttentionBackend.get_kv_cache_shape":
+            "num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str=",
+        "vllm.v1.attention.ops.int4_per_token_head:single_rht": "x, inverse=",
         # plugin.py: request validation in the API process
         "vllm.v1.engine.input_processor:InputProcessor._validate_params": "self, params, supported_tasks",
         "vllm.v1.engine.input_processor:InputProcessor.process_inputs":

@@ -21,44 +21,65 @@ def warm_up_scoring(runner) -> None:
     before the first request, for the engine's cache dtype (docs/OPERATIONS.md)."""
     if runner.device.type != "cuda":
         return
+    from vllm.v1.kv_cache_interface import kv_cache_uses_per_token_head_scales
+
     from vllm_evict.engine.cuda_backend import CudaPagedCache, query_dtype
+    from vllm_evict.engine.triton_backend import PerTokenHeadPagedCache
 
     model, parallel, cache_dtype = runner.model_config, runner.parallel_config, runner.cache_config.cache_dtype
     head_dim = model.get_head_size()
+    if kv_cache_uses_per_token_head_scales(cache_dtype):  # TRITON_ATTN, queries unquantized
+        make_cache, q_dtype = (lambda kv_cache: PerTokenHeadPagedCache(kv_cache, head_dim, cache_dtype, model.dtype),
+                               model.dtype)
+    else:
+        one = torch.ones((), dtype=torch.float32, device=runner.device)  # the layers' default k/v/q scales
+        make_cache, q_dtype = (lambda kv_cache: CudaPagedCache(kv_cache, head_dim, cache_dtype, one, one, one,
+                                                               model.dtype), query_dtype(cache_dtype, model.dtype))
     # the kernels' modules and local memory come from the device's free memory, outside vLLM's profile
     logger.info("vllm-evict: loading the scoring kernels (%.2f GiB device memory free)",
                 torch.cuda.mem_get_info(runner.device)[0] / 2**30)
-    one = torch.ones((), dtype=torch.float32, device=runner.device)  # the layers' default k/v/q scales
     start = time.perf_counter()
-    warm_up(lambda kv_cache: CudaPagedCache(kv_cache, head_dim, cache_dtype, one, one, one, model.dtype),
-            runner.device, model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel), head_dim,
-            model.dtype, runner.cache_config.block_size, query_dtype(cache_dtype, model.dtype),
-            is_quantized_kv_cache(cache_dtype))
+    warm_up(make_cache, runner.device, model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel),
+            head_dim, model.dtype, runner.cache_config.block_size, q_dtype, cache_dtype)
     logger.info("vllm-evict: scoring kernels ready in %.1f s (%.2f GiB device memory free)",
                 time.perf_counter() - start, torch.cuda.mem_get_info(runner.device)[0] / 2**30)
 
 
+def scratch_cache(cache_dtype: str, num_blocks: int, num_kv_heads: int, page: int, head_dim: int,
+                  dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """A layer's KV cache as vLLM lays it out for `cache_dtype` (HND), holding finite values: random ones of
+    the model dtype, their fp8 bytes, or per-token-head data with a scale of 1/64 after each half."""
+    if not is_quantized_kv_cache(cache_dtype):
+        return torch.randn(num_blocks, num_kv_heads, page, 2 * head_dim, generator=gen, device=device).to(dtype)
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+    from vllm.v1.kv_cache_interface import kv_cache_uses_per_token_head_scales
+
+    if not kv_cache_uses_per_token_head_scales(cache_dtype):  # per-layer fp8
+        values = torch.randn(num_blocks, num_kv_heads, page, 2 * head_dim, generator=gen, device=device)
+        return values.to(torch.float8_e4m3fn).view(torch.uint8)
+    shape = TritonAttentionBackend.get_kv_cache_shape(num_blocks, page, num_kv_heads, head_dim, cache_dtype)
+    halves = torch.randint(0, 120, (*shape[:-1], 2, shape[-1] // 2), generator=gen, device=device, dtype=torch.uint8)
+    halves[..., -4:] = torch.tensor([1 / 64], device=device).view(torch.uint8)  # the fp32 scales
+    return halves.flatten(-2)
+
+
 def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: int, head_dim: int,
-            dtype: torch.dtype, page: int, q_dtype: torch.dtype | None = None, fp8_cache: bool = False
+            dtype: torch.dtype, page: int, q_dtype: torch.dtype | None = None, cache_dtype: str = "auto"
             ) -> list[WorkerEviction]:
     """Run the engine's compaction path (compact_one) for every policy and allocation once on a short
     prompt in two scratch layers of this head shape (make_cache: the backend's paged-cache adapter of a
-    [blocks, H_kv, page, 2*D] cache of `dtype`, or of fp8 bytes), so that every kernel is compiled with the
-    argument types the engine passes (none specialises on the prompt length or the layer count); window
-    queries of `q_dtype` (default: dtype). Ada-KV states then compact again in place at a decode point, the
-    path that scores uneven heads. Returns the compacted states."""
+    layer's cache as vLLM lays it out for `cache_dtype`, model dtype `dtype`), so that every kernel is
+    compiled with the argument types the engine passes (none specialises on the prompt length or the layer
+    count); window queries of `q_dtype` (default: dtype). Ada-KV states then compact again in place at a
+    decode point, the path that scores uneven heads. Returns the compacted states."""
     from vllm_evict.policies import ALLOCATIONS, POLICIES
     from vllm_evict.policies.config import EvictionConfig
 
     gen = torch.Generator(device=device).manual_seed(0)
     n, num_blocks = 16 * page, 32  # 16 prompt blocks and room for as many fresh ones (P <= 16)
 
-    def scratch(*shape, to):
-        values = torch.randn(*shape, generator=gen, device=device)
-        return values.to(torch.float8_e4m3fn).view(torch.uint8) if to == "fp8 bytes" else values.to(to)
-
-    layers = [(i, make_cache(scratch(num_blocks, num_kv_heads, page, 2 * head_dim,
-                                     to="fp8 bytes" if fp8_cache else dtype))) for i in range(2)]
+    layers = [(i, make_cache(scratch_cache(cache_dtype, num_blocks, num_kv_heads, page, head_dim, dtype, device,
+                                           gen))) for i in range(2)]
     states = []
     for policy in POLICIES:
         for allocation in ALLOCATIONS:
@@ -70,7 +91,8 @@ def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: in
                                               fresh_blocks=list(range(16, 16 + pages)))
             for _ in range(2 if again else 1):
                 if window:
-                    state.q_window = scratch(len(layers), window, num_q_heads, head_dim, to=q_dtype or dtype)
+                    state.q_window = torch.randn(len(layers), window, num_q_heads, head_dim, generator=gen,
+                                                 device=device).to(q_dtype or dtype)
                 compact_one([state], layers, head_dim ** -0.5)
                 if again:  # next: the decode point one page later, in place over the layout and that page
                     state.kept_most()

@@ -10,7 +10,7 @@ from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 
-from vllm_evict.engine.compaction import KVHeadGroup, compact_requests, compaction_batches
+from vllm_evict.engine.compaction import GROUP_BYTES, KVHeadGroup, compact_requests, compaction_batches, group_bytes
 from vllm_evict.engine.request_config import PLAN_KEY, parse_request
 from vllm_evict.engine.request_state import HostCopy, WorkerEviction
 from vllm_evict.engine.step import BUILD, Capture, StepPlan, staging_graph_step
@@ -42,6 +42,12 @@ class WorkerEvictionState:
         self.group = None                        # layout.EvictedGroup: the KV cache group compacted (None: none)
         self.followers: dict[int, list] = {}     # a draft model's layers, keyed by the layer whose tokens they keep
         self.sampling_plan: StepPlan | None = None  # with a drafter: the step's plan until its drafts are proposed
+        self.group_bytes = GROUP_BYTES           # gathered K/V of one compaction batch (size_batches)
+
+    def size_batches(self, worker) -> None:
+        """At engine start, once vLLM profiled the forward: the gathered K/V one compaction batch may hold."""
+        self.group_bytes = group_bytes(getattr(worker, "peak_activation_memory", None))
+        logger.info("vllm-evict: compaction batches gather up to %.2f GiB of K/V", self.group_bytes / 2**30)
 
     def attach_report(self, output):
         """Send compaction latencies, failures and trimmed fresh blocks to the scheduler on a
@@ -286,14 +292,15 @@ class WorkerEvictionState:
         layers, scale = self.attention_layers(runner)
         cache = layers[0][1]
         states = [plan.states[row] for row in plan.compacting]
-        for batch in compaction_batches(states, len(layers), cache.num_heads, cache.head_dim, cache.gathered_itemsize):
+        for batch in compaction_batches(states, len(layers), cache.num_heads, cache.gathered_bytes, self.group_bytes):
             for state in batch:
                 if state.window:
                     state.q_window = self.windows.window(state.window_offset, state.window)
             started = self.latency.start(cache.device)
             try:
                 with torch.profiler.record_function("vllm_evict.compact"):  # a named range in torch profiles
-                    used = compact_one(batch, layers, scale, self.heads, self.rotation, self.followers)
+                    used = compact_one(batch, layers, scale, self.heads, self.rotation, self.followers,
+                                       self.group_bytes)
                 if used is not None:
                     batch[0].used_blocks = HostCopy(used)
                 for state in batch:
@@ -396,7 +403,7 @@ def draft_layer_names(runner) -> set[str]:
 
 def compact_one(states: list[WorkerEviction], layers: list, scale: float,
                 heads: KVHeadGroup = KVHeadGroup(), rotation: torch.Tensor | None = None,
-                followers: dict[int, list] | None = None) -> torch.Tensor | None:
+                followers: dict[int, list] | None = None, group_bytes: int = GROUP_BYTES) -> torch.Tensor | None:
     """compact_requests with the requests' block ids on the cache's device (one pinned copy, no sync)."""
     from vllm_evict.engine.per_head import host_to_device
 
@@ -406,7 +413,7 @@ def compact_one(states: list[WorkerEviction], layers: list, scale: float,
         read, written = len(state.prompt_block_ids), len(state.fresh_blocks)
         requests.append((state, ids[start: start + read], ids[start + read: start + read + written]))
         start += read + written
-    return compact_requests(requests, layers, scale, heads, rotation, followers)
+    return compact_requests(requests, layers, scale, heads, rotation, followers, group_bytes)
 
 
 def staged_queries() -> torch.Tensor:

@@ -1,11 +1,14 @@
-"""GPU: eviction on an fp8 KV cache (e4m3, vLLM's per-layer k/v scales, FlashAttention 3).
+"""GPU: eviction on quantized KV caches: FlashAttention's fp8 (e4m3, vLLM's per-layer k/v scales, FlashAttention 3)
+and the Triton backend's per-token-head caches (int8, fp8, int4; tests/engine/test_per_token_head_cache.py
+checks their adapter against vLLM's own write and scale views).
 
 * Compaction of fp8 caches: scoring reads the cache dequantized (each layer's bytes times its scale) and
   fp8 window queries dequantized with their scale; the kept sets equal the torch reference's on those same
   dequantized values (CPU, up to DESIGN.md §7.3's near ties); the kept tokens move as the cache's own bytes.
-* The engine with `kv_cache_dtype="fp8"`: a 100% budget (uniform: the stock layout; Ada-KV: the per-head
-  path) and a decode budget covering the sequence give the tokens of the same fp8 engine without eviction;
-  every policy at a 10% budget, one-shot, block-wise and decode-time, runs to its length and frees blocks."""
+* The engine on each cache dtype: a 100% budget (uniform: the stock layout; Ada-KV: the per-head path, on
+  FlashAttention) and a decode budget covering the sequence give the tokens of the same engine without
+  eviction; every policy at a 10% budget, one-shot, block-wise and decode-time, runs to its length and frees
+  blocks. On the Triton backend Ada-KV is refused with a 400-style error that names the backend."""
 
 from __future__ import annotations
 
@@ -106,13 +109,17 @@ def test_fp8_cache_compaction_matches_the_reference_on_dequantized_values(monkey
 MAX_TOKENS = 40
 
 
-@pytest.mark.parametrize("cache_dtype", ["fp8", "auto"])
+PER_TOKEN_HEAD = ["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"]
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "auto", *PER_TOKEN_HEAD, "auto-triton"])
 def test_engine_eviction_at_full_budget_matches_no_eviction(tiny_llama, cache_dtype):
-    """One engine (FULL CUDA graphs, async scheduling), fp8 cache and bf16 for comparison: at a 100% budget and
-    with a decode budget covering the sequence the tokens equal the same prompt's without eviction (uniform
-    exactly; what runs per-head attention, Ada-KV rows and on fp8 the decode budget's capture steps, until a
-    divergence where each side's token is in the other's top 5, as test_cuda_graphs allows);
-    every policy at 10%, one-shot and block-wise, and a decode budget, run to their length and free blocks."""
+    """One engine (FULL CUDA graphs, async scheduling) per cache dtype (bf16 on FlashAttention and on Triton,
+    "auto-triton", for comparison): at a 100% budget and with a decode budget covering the sequence the tokens
+    equal the same prompt's without eviction (uniform exactly; what runs per-head attention, Ada-KV rows and on
+    fp8 the decode budget's capture steps, until a divergence where each side's token is in the other's top 5,
+    as test_cuda_graphs allows); every policy at 10%, one-shot and block-wise, and a decode budget, run to
+    their length and free blocks. The Triton backend refuses Ada-KV."""
     import gc
 
     from vllm import SamplingParams
@@ -130,19 +137,26 @@ def test_engine_eviction_at_full_budget_matches_no_eviction(tiny_llama, cache_dt
     # KV head per virtual sequence. On fp8 its P tiles are quantized per split, so those steps round
     # differently from the stock graph (exact on bf16).
     covering = {"policy": "dropkv", "decode_budget": 600 + MAX_TOKENS, "decode_every": 16}
-    (exact if cache_dtype == "auto" else close).append(covering)
+    (close if cache_dtype == "fp8" else exact).append(covering)
     evicting = [{"policy": p, "budget": 0.1} for p in POLICIES] + [
         {"policy": "snapkv", "budget": 0.1, "chunked": True, "chunk_size": 128},
         {"policy": "dropkv", "budget": 0.1, "allocation": "adakv"},
         {"policy": "snapkv", "decode_budget": 64, "decode_every": 16}]
-    cases = [None, *exact, *close, *evicting]
+    triton = cache_dtype in PER_TOKEN_HEAD or cache_dtype == "auto-triton"
+    refused = [c for c in close + evicting if c.get("allocation") == "adakv"] if triton else []
+    cases = [None, *[c for c in exact + close + evicting if c not in refused]]
+    engine = dict(kv_cache_dtype="auto", attention_backend="TRITON_ATTN") if cache_dtype == "auto-triton" else dict(
+        kv_cache_dtype=cache_dtype)
     with stdout_with_a_file_descriptor():
-        llm = make_llm(tiny_llama, dtype="bfloat16", block_size=N, max_model_len=2048, kv_cache_dtype=cache_dtype,
-                       kv_cache_memory_bytes=1 << 30, max_num_seqs=32, seed=0)
+        llm = make_llm(tiny_llama, dtype="bfloat16", block_size=N, max_model_len=2048, kv_cache_memory_bytes=1 << 30,
+                       max_num_seqs=32, seed=0, **engine)
     try:
         params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5,
                                  extra_args={"vllm_evict": c} if c else None) for c in cases]
         outs = llm.generate([{"prompt_token_ids": prompt}] * len(cases), params)
+        for case in refused:  # refused where requests arrive, naming the backend; the engine keeps serving
+            with pytest.raises(ValueError, match="TRITON_ATTN"):
+                llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4, extra_args={"vllm_evict": case}))
     finally:
         del llm
         gc.collect()
