@@ -29,8 +29,9 @@ Suites (`--suite`):
             one-shot and block-wise KeyDiff (--memory-budget, --chunk-size), and which lengths the KV pool
             serves at all (the evict engine with --allow-long-prompts may exceed the pool).
 
-Engines (`--engine`): `vanilla` (stock vLLM, VLLM_PLUGINS=none, FLASH_ATTN, vLLM's default CUDA graph
-mode) or `evict` (vllm-evict's engine kwargs: FLASH_ATTN, vLLM's default CUDA graph mode, eviction
+Engines (`--engine`): `vanilla` (stock vLLM, VLLM_PLUGINS=none, FLASH_ATTN (TRITON_ATTN for a per-token-head
+cache), vLLM's default CUDA graph mode) or `evict` (vllm-evict's engine kwargs: the same backend, vLLM's
+default CUDA graph mode, eviction
 scheduler).
 
 Shared-prefix prompts (`--shared-prefix`, load/capacity on the evict engine only): every prompt is one
@@ -74,8 +75,10 @@ def make_engine(args):
             from vllm_evict.testing.tiny_models import write_real_config
 
             model = write_real_config("llama-3.1-8b", Path(args.workdir))
+        # vLLM's Triton backend alone reads its per-token-head caches (as vllm_evict.engine.attention_backend)
+        backend = "TRITON_ATTN" if args.kv_cache_dtype.endswith("per_token_head") else "FLASH_ATTN"
         kwargs = dict(model=str(model), load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.9,
-                      attention_backend="FLASH_ATTN")
+                      attention_backend=backend)
         if importlib.util.find_spec("flashinfer") is None:  # as testing.engines.gpu_defaults (vanilla: no package)
             kwargs["gdn_prefill_backend"] = "triton"
         if args.kv_cache_memory_bytes is not None:  # a capped KV pool

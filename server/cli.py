@@ -2,7 +2,8 @@
 
 Runs vLLM's own OpenAI API server (`vllm serve`), with the plugin and the engine settings eviction needs:
 * `--scheduler-cls`: the eviction scheduler (async or not, following `--async-scheduling`);
-* on CUDA, `--attention-backend FLASH_ATTN` (the plugin's FlashAttention backend);
+* on CUDA, `--attention-backend FLASH_ATTN` (the plugin's FlashAttention backend), or TRITON_ATTN for vLLM's
+  per-token-head caches (`--kv-cache-dtype int8_per_token_head` ...; a user may pick it for other caches too);
 * on CPU, where unset: `--dtype float32`, `--block-size 16` and a 1 GiB KV cache
   (`--kv-cache-memory-bytes`, unless VLLM_CPU_KVCACHE_SPACE is set).
 A user flag wins where it is compatible; an incompatible one (another scheduler or attention backend,
@@ -80,13 +81,13 @@ def eviction_defaults(args: argparse.Namespace) -> dict:
 def configure(args: argparse.Namespace, parser) -> None:
     """Apply the engine settings eviction needs to parsed `vllm serve` arguments (in place); ValueError
     for an incompatible user flag."""
-    from vllm_evict.engine import engine_kwargs
+    from vllm_evict.engine import EVICTING_BACKENDS, engine_kwargs
 
     resolve_local_model(args, parser)
-    needed = engine_kwargs(async_scheduling=args.async_scheduling)
+    needed = engine_kwargs(async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype)
     schedulers = {f"vllm_evict.engine.scheduler.{name}" for name in ("EvictionScheduler", "AsyncEvictionScheduler")}
     for key, flag, accepted in (("scheduler_cls", "--scheduler-cls", schedulers),
-                                ("attention_backend", "--attention-backend", {needed.get("attention_backend")})):
+                                ("attention_backend", "--attention-backend", set(EVICTING_BACKENDS))):
         if key not in needed:
             continue
         value = getattr(args, key)

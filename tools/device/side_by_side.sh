@@ -42,7 +42,8 @@ job_command() {  # the shell command of one JOB
   fi
 }
 for slot in "$@"; do
-  name=$(echo "$slot" | tr ':,/ $+#' '_______')
+  name=$(echo "$slot" | tr ':,/ $+#[]' '_________')
+  name="gpu${gpu}_${name:0:80}"  # a file name of its own, short enough for the file system
   cmd=""
   IFS='+' read -ra jobs <<< "$slot"
   for job in "${jobs[@]}"; do cmd+="${cmd:+; }$(job_command "$job")"; done

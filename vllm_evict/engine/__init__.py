@@ -21,10 +21,20 @@ def engine_kwargs(**user_kwargs: Any) -> dict[str, Any]:
     # The CPU platform forces synchronous scheduling; GPU keeps vLLM's async scheduler.
     async_default = torch.cuda.is_available() and kwargs.get("async_scheduling", True) is not False
     if torch.cuda.is_available():
-        kwargs.setdefault("attention_backend", "FLASH_ATTN")
+        kwargs.setdefault("attention_backend", attention_backend(str(kwargs.get("kv_cache_dtype") or "auto")))
     kwargs.setdefault("scheduler_cls", "vllm_evict.engine.scheduler."
                       + ("AsyncEvictionScheduler" if async_default else "EvictionScheduler"))
     return kwargs
+
+
+# The CUDA attention backends vllm-evict evicts through (engine/cuda_backend.py, engine/triton_backend.py)
+EVICTING_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
+
+
+def attention_backend(kv_cache_dtype: str) -> str:
+    """The backend a CUDA engine evicts through for this KV cache dtype: vLLM's Triton backend for its
+    per-token-head caches (the only backend that reads them), FlashAttention for every other."""
+    return "TRITON_ATTN" if kv_cache_dtype.endswith("per_token_head") else "FLASH_ATTN"
 
 
 def eviction_report(request_output: Any) -> dict[str, Any] | None:
