@@ -138,6 +138,11 @@ def test_engine_eviction_at_full_budget_matches_no_eviction(tiny_llama, cache_dt
     # differently from the stock graph (exact on bf16).
     covering = {"policy": "dropkv", "decode_budget": 600 + MAX_TOKENS, "decode_every": 16}
     (close if cache_dtype == "fp8" else exact).append(covering)
+    # vLLM's Triton kernels for fp8 and int4 per-token-head caches do not give a request the same tokens
+    # in every batch (H200: two identical int4 requests of one eager batch differed from their first token,
+    # without eviction), so there the requests at full budget are compared as the close ones are.
+    if cache_dtype in ("fp8_per_token_head", "int4_per_token_head"):
+        close, exact = close + exact, []
     evicting = [{"policy": p, "budget": 0.1} for p in POLICIES] + [
         {"policy": "snapkv", "budget": 0.1, "chunked": True, "chunk_size": 128},
         {"policy": "dropkv", "budget": 0.1, "allocation": "adakv"},
