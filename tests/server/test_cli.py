@@ -99,6 +99,25 @@ def test_incompatible_flags_are_refused(tmp_path, flags, message):
         configured(str(tmp_path), *flags)
 
 
+@pytest.mark.parametrize("flags, backend", [
+    ([], "FLASH_ATTN"), (["--kv-cache-dtype", "fp8"], "FLASH_ATTN"),
+    (["--kv-cache-dtype", "int4_per_token_head"], "TRITON_ATTN"),    # the one backend that reads it
+    (["--attention-backend", "TRITON_ATTN"], "TRITON_ATTN"),         # a user's pick it evicts through
+    (["--attention-backend", "FLASHINFER"], None)])
+def test_cuda_attention_backend_follows_the_cache_dtype(tmp_path, monkeypatch, flags, backend):
+    """On CUDA the server evicts through FLASH_ATTN, or TRITON_ATTN for vLLM's per-token-head caches; another
+    backend is refused by name."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if backend is None:
+        with pytest.raises(ValueError, match="--attention-backend FLASHINFER: vllm-evict needs"):
+            configured(str(tmp_path), *flags)
+        return
+    value = configured(str(tmp_path), *flags).attention_backend
+    assert getattr(value, "name", value) == backend
+
+
 @pytest.mark.parametrize("flags", [
     ["--default-eviction-policy", "nope", "--default-eviction-budget", "0.1"],
     ["--default-eviction-policy", "snapkv", "--default-eviction-budget", "1.5"],
