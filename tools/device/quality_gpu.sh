@@ -29,7 +29,10 @@
 # dtype, all six at once. Tables: needle_kv_auto.* (bf16 cache: vLLM's default, the model dtype) and
 # needle_kv_fp8.* (`vllm-evict eval --kv-cache-dtype fp8`). Back come $OUT/needle_kv_auto.md,
 # $OUT/needle_kv_fp8.md and $OUT/needle_kv.tgz (every table, request log and shard log). If it prints
-# "incomplete", the same command again on the warm machine resumes both. The same by hand:
+# "incomplete", the same command again on the warm machine resumes both. KV_DTYPES picks the cache dtypes
+# (default "auto fp8"), e.g. KV_DTYPES="auto int8_per_token_head int4_per_token_head" for vLLM's per-token-head
+# caches (evicted through its Triton backend): WORKERS engines per dtype, so lower WORKERS for more dtypes.
+# The same by hand:
 #     KV_DTYPE=fp8 NAME=needle_kv_fp8 TASKS="passkey niah_single niah_multikey niah_multivalue" LENGTHS=4096 \
 #       SAMPLES=24 VARIANTS=aware POLICIES="snapkv dropkv keydiff" ALLOCATIONS=uniform BUDGETS="0.1 1.0" \
 #       WORKERS=3 CHUNK=4 bash tools/device/quality_gpu.sh run
@@ -46,7 +49,8 @@
 # Knobs (environment): WORKERS (6 engines sharing the GPU; KV_BYTES of KV cache each, default 6e9),
 # SAMPLES (100 per task x length), LENGTHS ("1024 2048 4096 8192"), TASKS (all),
 # POLICIES ("core": the 9 policies of docs/DESIGN.md §4; "all" adds tova h2o knorm), BUDGETS ("0.05 0.1 0.2 0.4 1.0"),
-# ALLOCATIONS ("uniform adakv"), KV_DTYPE (vLLM's default; "fp8": an fp8 e4m3 KV cache, give it its own NAME),
+# ALLOCATIONS ("uniform adakv"), KV_DTYPE (vLLM's default; "fp8": an fp8 e4m3 KV cache, give it its own NAME;
+# a per-token-head cache takes ALLOCATIONS=uniform),
 # VARIANTS ("aware agnostic"), CHUNK (1), STOP_AFTER (420), NAME (ruler_gpu), PREDICTIONS (0: the
 # per-request log omits generated texts so that ruler_gpu_requests.jsonl.gz stays under the 16 MiB a file
 # that can come back from the device; 1 keeps them).
