@@ -5,8 +5,9 @@ cache and the fp32 scale views its attention backend makes over the same bytes).
 * the adapter's gather + dequantize gives what an independent decoding of vLLM's views gives (data x scale;
   int4: nibbles less the zero point in the scale's low mantissa bits, times the scale, rotated back by an
   explicit Hadamard matrix), and that is the written values up to the format's rounding (int4: on the CPU);
-* compaction scores exactly those dequantized values, and moves each kept token's bytes (data and scale)
-  unchanged to its slot: vLLM's scale views read the moved scales there.
+* compaction (K-norm, and SnapKV with window queries) scores exactly those dequantized values, keeps what
+  the policy API keeps on them (up to DESIGN.md §7.3's near ties), and moves each kept token's bytes (data
+  and scale) unchanged to its slot: vLLM's scale views read the moved scales there.
 CPU (CI): vLLM's and the project's kernels in the Triton interpreter (subprocess). GPU (``-m gpu``): compiled."""
 
 from __future__ import annotations
@@ -52,11 +53,7 @@ def check(device: str, seed: int) -> None:
         triton_reshape_and_cache_flash_per_token_head_quant)
     from vllm.v1.kv_cache_interface import get_kv_quant_mode
 
-    from vllm_evict.engine import compaction
-    from vllm_evict.engine.request_config import RequestEviction
-    from vllm_evict.engine.request_state import WorkerEviction
     from vllm_evict.engine.triton_backend import PerTokenHeadPagedCache
-    from vllm_evict.policies import EvictionConfig
 
     gen = torch.Generator().manual_seed(seed)
     prompt_blocks = torch.randperm(20, generator=gen)[: -(-E // N)].to(device=device, dtype=torch.int32)
@@ -104,37 +101,55 @@ def check(device: str, seed: int) -> None:
             torch.testing.assert_close(k_deq[:, 0, i], raw[i][0], **tol)
             torch.testing.assert_close(v_deq[:, 0, i], raw[i][1], **tol)
 
-        # compaction scores those values and moves the kept tokens' bytes, scales with them
-        seen, select_group = [], compaction.select_group
+        # compaction scores those values (a key-only and a query-based policy), keeps what the policy API keeps
+        # on them, and moves the kept tokens' bytes, scales with them
+        for policy in ("knorm", "snapkv"):
+            check_compaction(policy, layers, views, raw, prompt_blocks, fresh, tol, gen, device)
 
-        def recording(config, q_window, keys, values, *args, **kwargs):
-            keep, counts = select_group(config, q_window, keys, values, *args, **kwargs)
-            seen.append((keys, values, keep, counts))
-            return keep, counts
 
-        compaction.select_group = recording
-        try:
-            config = EvictionConfig.from_dict({"policy": "knorm", "budget": P * N})
-            state = WorkerEviction.for_prompt("r", RequestEviction(config), E, N)
-            compaction.compact_request(state, layers, D ** -0.5, prompt_blocks, fresh)
-        finally:
-            compaction.select_group = select_group
-        (k_seen, v_seen, keep, counts), = seen
-        keep, counts = keep.view(2, H, E), counts.view(2, H)
-        for i, (impl, before) in enumerate(views):
-            torch.testing.assert_close(k_seen.view(E, 2, H, D)[:, i], raw[i][0], **tol)
-            torch.testing.assert_close(v_seen.view(E, 2, H, D)[:, i], raw[i][1], **tol)
-            dest = compaction.compaction_slots(keep[i], counts[i], fresh, N)          # [E, H] per-head slots
-            moved = dest >= 0
-            assert int(moved.sum()) == H * P * N
-            token, head = moved.nonzero(as_tuple=True)
-            rows = layers[i][1].kv_cache.view(-1, layers[i][1].kv_cache.shape[-1])   # per-head page rows
-            source = (prompt_blocks[token // N].long() * H + head) * N + token % N
-            assert torch.equal(rows[dest[moved]], before.view(torch.int32).view(-1, rows.shape[-1])[source])
-            # vLLM's scale view at a kept token's new slot reads the token's own scale
-            new_block, new_offset = dest[moved] // N // H, dest[moved] % N
-            assert torch.equal(impl._k_scale_cache[new_block, new_offset, head],
-                               scales_at(before, prompt_blocks[token // N].long(), token % N, head))
+def check_compaction(policy, layers, views, raw, prompt_blocks, fresh, tol, gen, device) -> None:
+    from tests.policies.test_cuda import near_tie_ok
+    from vllm_evict.engine import compaction
+    from vllm_evict.engine.request_config import RequestEviction
+    from vllm_evict.engine.request_state import WorkerEviction
+    from vllm_evict.policies import EvictionConfig, score_tokens, select_tokens
+
+    config = EvictionConfig.from_dict({"policy": policy, "budget": P * N})
+    w, G = config.window_size(), 2
+    q_window = torch.randn(2, w, H * G, D, generator=gen).to(device) if w else None
+    seen, select_group = [], compaction.select_group
+
+    def recording(config, q_window, keys, values, *args, **kwargs):
+        keep, counts = select_group(config, q_window, keys, values, *args, **kwargs)
+        seen.append((keys, values, keep, counts))
+        return keep, counts
+
+    compaction.select_group = recording
+    try:
+        state = WorkerEviction.for_prompt("r", RequestEviction(config), E, N, q_window=q_window)
+        compaction.compact_request(state, layers, D ** -0.5, prompt_blocks, fresh)
+    finally:
+        compaction.select_group = select_group
+    (k_seen, v_seen, keep, counts), = seen
+    keep, counts = keep.view(2, H, E), counts.view(2, H)
+    for i, (impl, before) in enumerate(views):
+        torch.testing.assert_close(k_seen.view(E, 2, H, D)[:, i], raw[i][0], **tol)
+        torch.testing.assert_close(v_seen.view(E, 2, H, D)[:, i], raw[i][1], **tol)
+        ref_scores = score_tokens(policy, None if q_window is None else q_window[i].cpu(), raw[i][0].cpu(),
+                                  raw[i][1].cpu(), scale=D ** -0.5, **config.score_options())
+        ref_keep = select_tokens(ref_scores, P * N, page_size=N, **config.select_options())
+        near_tie_ok(ref_scores, ref_keep, keep[i].cpu(), ref_keep.sum(dim=1).tolist())
+        dest = compaction.compaction_slots(keep[i], counts[i], fresh, N)          # [E, H] per-head slots
+        moved = dest >= 0
+        assert int(moved.sum()) == H * P * N
+        token, head = moved.nonzero(as_tuple=True)
+        rows = layers[i][1].kv_cache.view(-1, layers[i][1].kv_cache.shape[-1])   # per-head page rows
+        source = (prompt_blocks[token // N].long() * H + head) * N + token % N
+        assert torch.equal(rows[dest[moved]], before.view(torch.int32).view(-1, rows.shape[-1])[source])
+        # vLLM's scale view at a kept token's new slot reads the token's own scale
+        new_block, new_offset = dest[moved] // N // H, dest[moved] % N
+        assert torch.equal(impl._k_scale_cache[new_block, new_offset, head],
+                           scales_at(before, prompt_blocks[token // N].long(), token % N, head))
 
 
 def scales_at(kv: torch.Tensor, block: torch.Tensor, offset: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
