@@ -268,3 +268,11 @@ def test_per_head_attention_with_sinks_matches_explicit():
             probs = torch.cat([logits, sinks[h * G: (h + 1) * G].float().unsqueeze(1)], dim=1).softmax(-1)[:, :-1]
             expected = probs @ values[row, :visible].float()
             torch.testing.assert_close(out[row * T + t].float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_group_bytes_are_half_the_profiled_activation_memory():
+    """An engine's compaction batches gather up to half the activation memory vLLM profiled (the other half for
+    the scores and slot tables), never less than GROUP_BYTES (no profile: a KV cache size given by hand)."""
+    assert compaction.group_bytes(None) == compaction.GROUP_BYTES
+    assert compaction.group_bytes(compaction.GROUP_BYTES) == compaction.GROUP_BYTES
+    assert compaction.group_bytes(int(1.95 * 2**30)) == int(1.95 * 2**30) // 2  # Llama-3.1-8B on an H200

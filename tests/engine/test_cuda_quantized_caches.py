@@ -161,7 +161,8 @@ def test_engine_eviction_at_full_budget_matches_no_eviction(tiny_llama, cache_dt
         outs = llm.generate([{"prompt_token_ids": prompt}] * len(cases), params)
         for case in refused:  # refused where requests arrive, naming the backend; the engine keeps serving
             with pytest.raises(ValueError, match="TRITON_ATTN"):
-                llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4, extra_args={"vllm_evict": case}))
+                llm.generate([{"prompt_token_ids": prompt}],
+                             SamplingParams(max_tokens=4, extra_args={"vllm_evict": case}))
     finally:
         del llm
         gc.collect()

@@ -48,7 +48,8 @@ def check_cache_dtype(cache_dtype: str, backend: str) -> None:
     if cache_dtype in MODEL_CACHE_DTYPES + QUANTIZED_CACHE_DTYPES.get(backend, ()):
         return
     if backend in QUANTIZED_CACHE_DTYPES:  # CUDA
-        choices = "auto, " + ", ".join(f"{' or '.join(dtypes)} ({name})" for name, dtypes in QUANTIZED_CACHE_DTYPES.items())
+        choices = "auto, " + ", ".join(f"{' or '.join(dtypes)} ({name})"
+                                       for name, dtypes in QUANTIZED_CACHE_DTYPES.items())
     else:
         choices = "auto"
     raise ValueError(f"vllm-evict does not support the KV cache dtype {cache_dtype!r} "

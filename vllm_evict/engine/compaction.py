@@ -46,6 +46,7 @@ from vllm_evict.policies.selection import stable_sort
 # pass of any served model (the forward's activations are free when compaction runs), so the KV cache it
 # sized is never short. An engine raises it to half the activation memory it profiled (group_bytes).
 GROUP_BYTES = 512 << 20
+DUMP_DIR = os.environ.get("VLLM_EVICT_DUMP_KEEP")
 
 
 def group_bytes(peak_activation_bytes: int | None) -> int:
@@ -54,7 +55,6 @@ def group_bytes(peak_activation_bytes: int | None) -> int:
     scores and slot tables beside them, and at least GROUP_BYTES. Fewer, larger batches cost less host time
     (each batch is a fixed set of launches per layer group)."""
     return max(GROUP_BYTES, (peak_activation_bytes or 0) // 2)
-DUMP_DIR = os.environ.get("VLLM_EVICT_DUMP_KEEP")
 
 
 @dataclass(frozen=True)

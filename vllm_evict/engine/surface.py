@@ -46,8 +46,8 @@ SURFACE: dict[str, dict[str, str]] = {
         "vllm.v1.spec_decode.llm_base_proposer:eagle_step_update_slot_mapping_and_metadata":
             "positions_1d, block_table_tensor, seq_lens, block_size, max_model_len, out_clamped_positions, "
             "out_slot_mapping, input_batch_size=",
-        # attention.py, cpu_backend.py, cuda_backend.py, triton_backend.py: metadata builders that add the step's plan, and the
-        # KV write's metadata (vLLM calls do_kv_cache_update without it)
+        # attention.py, cpu_backend.py, cuda_backend.py, triton_backend.py: metadata builders that add the step's
+        # plan, and the KV write's metadata (vLLM calls do_kv_cache_update without it)
         "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.build":
             "self, common_prefix_len, common_attn_metadata, fast_build=",
         "vllm.v1.attention.backends.flash_attn:FlashAttentionMetadataBuilder.build":
