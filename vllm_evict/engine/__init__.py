@@ -34,7 +34,9 @@ EVICTING_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
 def attention_backend(kv_cache_dtype: str) -> str:
     """The backend a CUDA engine evicts through for this KV cache dtype: vLLM's Triton backend for its
     per-token-head caches (the only backend that reads them), FlashAttention for every other."""
-    return "TRITON_ATTN" if kv_cache_dtype.endswith("per_token_head") else "FLASH_ATTN"
+    from vllm.v1.kv_cache_interface import kv_cache_uses_per_token_head_scales
+
+    return "TRITON_ATTN" if kv_cache_uses_per_token_head_scales(kv_cache_dtype) else "FLASH_ATTN"
 
 
 def eviction_report(request_output: Any) -> dict[str, Any] | None:

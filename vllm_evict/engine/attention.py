@@ -75,13 +75,35 @@ def step_plan(attn_metadata):  # -> step.StepPlan | None
     return getattr(attn_metadata, "eviction", None)
 
 
+def decode_graph_tables(kv_cache_spec, layer_names, vllm_config, device, full_graphs: bool,
+                        query_dtype: torch.dtype, per_head: bool):  # -> per_head.DecodeGraphTables | None
+    """The persistent tables of the eviction's FULL decode graphs (runner_hooks.py), for the evicted KV
+    cache group's builder when vLLM captures FULL graphs of one token per row (no speculative decoding);
+    None for the other groups of a hybrid model (they replay stock attention). A backend without per-head
+    attention replays only staged graphs, which use the tables' queries: one page per sequence then."""
+    evicted = BUILD.evicted_layers.intersection(layer_names)
+    if not (full_graphs and vllm_config.num_speculative_tokens == 0 and evicted):
+        return None
+    page, model = kv_cache_spec.block_size, vllm_config.model_config
+    return per_head.DecodeGraphTables(
+        num_layers=max(extract_layer_index(name) for name in layer_names) + 1,
+        max_rows=min(vllm_config.scheduler_config.max_num_seqs,
+                     vllm_config.compilation_config.max_cudagraph_capture_size),
+        num_heads=kv_cache_spec.num_kv_heads, max_pages=-(-model.max_model_len // page) + 1 if per_head else 1,
+        page_size=page, device=device, num_q_heads=model.get_num_attention_heads(vllm_config.parallel_config),
+        head_dim=kv_cache_spec.head_size, dtype=query_dtype)
+
+
 class EvictionMetadataBuilderMixin:
     """Mixed into a stock AttentionMetadataBuilder: the metadata it builds for the evicted KV cache group
     carries the step's plan; the other groups of a hybrid model (sliding window) get none and run stock.
+    A CUDA builder's FULL decode graph tables (`decode_graph_tables`) ride on every metadata it builds.
 
     A hybrid model's evicted group reads its own copy of seq_lens, lowered by the compacted rows' shifts
     (the runner's copy stays semantic for the other groups). It is a persistent buffer written in place
     every step, the captured one included, so FULL CUDA graphs replay with it."""
+
+    per_head_decode = None  # decode_graph_tables (CUDA builders)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         evicts = getattr(self, "_vllm_evict_evicts", None)
@@ -91,7 +113,7 @@ class EvictionMetadataBuilderMixin:
         if evicts and BUILD.hybrid:
             common_attn_metadata = self._physical_lengths(common_attn_metadata, plan)
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        md.eviction = plan
+        md.eviction, md.per_head_decode = plan, self.per_head_decode
         return md
 
     def _physical_lengths(self, cm, plan):

@@ -23,12 +23,12 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import is_quantized_kv_cache
+from vllm.v1.kv_cache_interface import kv_cache_uses_per_token_head_scales
 from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, reshape_and_cache_flash
 
-from vllm_evict.engine.attention import EvictionAttentionMixin, EvictionMetadataBuilderMixin
+from vllm_evict.engine.attention import EvictionAttentionMixin, EvictionMetadataBuilderMixin, decode_graph_tables
 from vllm_evict.engine.hnd_cache import HndPagedCache
 from vllm_evict.engine.per_head import DecodeGraphTables
-from vllm_evict.engine.step import BUILD
 
 
 class CudaPagedCache(HndPagedCache):
@@ -181,10 +181,11 @@ def ordered_decode_attention(q: torch.Tensor, cache: CudaPagedCache, query_rows:
 
 def query_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The queries' dtype in the attention call: vLLM's attention layer quantizes them to fp8 for an fp8
-    cache when FlashAttention takes quantized queries (FA3)."""
+    cache (not a per-token-head one) when FlashAttention takes quantized queries (FA3)."""
     from vllm.v1.attention.backends.fa_utils import flash_attn_supports_quant_query_input
 
-    if is_quantized_kv_cache(cache_dtype) and flash_attn_supports_quant_query_input():
+    if is_quantized_kv_cache(cache_dtype) and not kv_cache_uses_per_token_head_scales(cache_dtype) \
+            and flash_attn_supports_quant_query_input():
         return current_platform.fp8_dtype()
     return model_dtype
 
@@ -196,25 +197,12 @@ class EvictFlashAttentionMetadataBuilder(EvictionMetadataBuilderMixin, FlashAtte
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.per_head_decode = None
-        # The per-head FULL decode graphs (runner_hooks.py; one token per row, so no speculative decoding)
-        # (the evicted KV cache group's builder only: a hybrid model's other layers replay stock attention)
-        if self.use_full_cuda_graph and vllm_config.num_speculative_tokens == 0 \
-                and BUILD.evicted_layers.intersection(layer_names):
-            from vllm.model_executor.models.utils import extract_layer_index
-
-            page, model = kv_cache_spec.block_size, vllm_config.model_config
-            self.per_head_decode = DecodeGraphTables(
-                num_layers=max(extract_layer_index(name) for name in layer_names) + 1,
-                max_rows=min(vllm_config.scheduler_config.max_num_seqs,
-                             vllm_config.compilation_config.max_cudagraph_capture_size),
-                num_heads=kv_cache_spec.num_kv_heads, max_pages=-(-model.max_model_len // page) + 1,
-                page_size=page, device=device, num_q_heads=model.get_num_attention_heads(vllm_config.parallel_config),
-                head_dim=kv_cache_spec.head_size, dtype=query_dtype(vllm_config.cache_config.cache_dtype, model.dtype))
+        self.per_head_decode = decode_graph_tables(
+            kv_cache_spec, layer_names, vllm_config, device, self.use_full_cuda_graph,
+            query_dtype(vllm_config.cache_config.cache_dtype, vllm_config.model_config.dtype), per_head=True)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        md.per_head_decode = self.per_head_decode
         if self.per_head_decode is not None and md.eviction is not None:  # the step may replay a per-head graph
             self.per_head_decode.load(md.eviction, md.seq_lens)
         return md

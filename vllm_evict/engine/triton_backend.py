@@ -24,12 +24,10 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionImpl,
     TritonAttentionMetadataBuilder,
 )
-from vllm.v1.kv_cache_interface import KVQuantMode, get_kv_quant_mode
+from vllm.v1.kv_cache_interface import KVQuantMode, get_kv_quant_mode, kv_cache_uses_per_token_head_scales
 
-from vllm_evict.engine.attention import EvictionAttentionMixin, EvictionMetadataBuilderMixin
+from vllm_evict.engine.attention import EvictionAttentionMixin, EvictionMetadataBuilderMixin, decode_graph_tables
 from vllm_evict.engine.hnd_cache import HndPagedCache
-from vllm_evict.engine.per_head import DecodeGraphTables
-from vllm_evict.engine.step import BUILD
 
 SCALE_BYTES = 4  # one fp32 scale after each (token, head)'s K data and after its V data
 
@@ -79,16 +77,23 @@ def dequantize_halves(halves: torch.Tensor, mode: KVQuantMode, head_dim: int) ->
     raise ValueError(f"not a per-token-head KV cache mode: {mode}")
 
 
+def paged_cache(kv_cache: torch.Tensor, head_size: int, kv_cache_dtype: str, model_dtype: torch.dtype, k_scale,
+                v_scale, q_scale) -> HndPagedCache:
+    """The compaction adapter of a CUDA layer cache: a per-token-head cache's, or FLASH_ATTN's (a model-dtype
+    or per-layer fp8 cache: k/v/q_scale are the layer's scales)."""
+    if kv_cache_uses_per_token_head_scales(kv_cache_dtype):
+        return PerTokenHeadPagedCache(kv_cache, head_size, kv_cache_dtype, model_dtype)
+    from vllm_evict.engine.cuda_backend import CudaPagedCache
+
+    return CudaPagedCache(kv_cache, head_size, kv_cache_dtype, k_scale, v_scale, q_scale, model_dtype)
+
+
 class EvictTritonAttentionImpl(EvictionAttentionMixin, TritonAttentionImpl):
     backend_name = "TRITON_ATTN"
 
     def _paged_cache(self, layer, kv_cache) -> HndPagedCache:
-        if self._is_per_token_head_quant:
-            return PerTokenHeadPagedCache(kv_cache, self.head_size, self.kv_cache_dtype, self.model_dtype)
-        from vllm_evict.engine.cuda_backend import CudaPagedCache  # a model-dtype cache: FLASH_ATTN's adapter
-
-        return CudaPagedCache(kv_cache, self.head_size, self.kv_cache_dtype, layer._k_scale, layer._v_scale,
-                              layer._q_scale, self.model_dtype)
+        return paged_cache(kv_cache, self.head_size, self.kv_cache_dtype, self.model_dtype, layer._k_scale,
+                           layer._v_scale, layer._q_scale)
 
     def _stock_attention(self, layer, query, key, value, kv_cache, md, output) -> None:
         TritonAttentionImpl.forward(self, layer, query, key, value, kv_cache, md, output)
@@ -100,24 +105,9 @@ class EvictTritonAttentionMetadataBuilder(EvictionMetadataBuilderMixin, TritonAt
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.per_head_decode = None
-        compilation = vllm_config.compilation_config
-        if self.decode_cudagraph_enabled and vllm_config.num_speculative_tokens == 0 \
-                and BUILD.evicted_layers.intersection(layer_names):
-            from vllm.model_executor.models.utils import extract_layer_index
-
-            page, model = kv_cache_spec.block_size, vllm_config.model_config
-            self.per_head_decode = DecodeGraphTables(
-                num_layers=max(extract_layer_index(name) for name in layer_names) + 1,
-                max_rows=min(vllm_config.scheduler_config.max_num_seqs, compilation.max_cudagraph_capture_size),
-                num_heads=kv_cache_spec.num_kv_heads, max_pages=1, page_size=page, device=device,
-                num_q_heads=model.get_num_attention_heads(vllm_config.parallel_config),
-                head_dim=kv_cache_spec.head_size, dtype=model.dtype)  # queries stay unquantized on this backend
-
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        md.per_head_decode = self.per_head_decode
-        return md
+        self.per_head_decode = decode_graph_tables(  # queries stay unquantized on the caches it evicts
+            kv_cache_spec, layer_names, vllm_config, device, self.decode_cudagraph_enabled,
+            vllm_config.model_config.dtype, per_head=False)
 
 
 class EvictTritonAttentionBackend(TritonAttentionBackend):

@@ -21,26 +21,19 @@ def warm_up_scoring(runner) -> None:
     before the first request, for the engine's cache dtype (docs/OPERATIONS.md)."""
     if runner.device.type != "cuda":
         return
-    from vllm.v1.kv_cache_interface import kv_cache_uses_per_token_head_scales
-
-    from vllm_evict.engine.cuda_backend import CudaPagedCache, query_dtype
-    from vllm_evict.engine.triton_backend import PerTokenHeadPagedCache
+    from vllm_evict.engine.cuda_backend import query_dtype
+    from vllm_evict.engine.triton_backend import paged_cache
 
     model, parallel, cache_dtype = runner.model_config, runner.parallel_config, runner.cache_config.cache_dtype
     head_dim = model.get_head_size()
-    if kv_cache_uses_per_token_head_scales(cache_dtype):  # TRITON_ATTN, queries unquantized
-        make_cache, q_dtype = (lambda kv_cache: PerTokenHeadPagedCache(kv_cache, head_dim, cache_dtype, model.dtype),
-                               model.dtype)
-    else:
-        one = torch.ones((), dtype=torch.float32, device=runner.device)  # the layers' default k/v/q scales
-        make_cache, q_dtype = (lambda kv_cache: CudaPagedCache(kv_cache, head_dim, cache_dtype, one, one, one,
-                                                               model.dtype), query_dtype(cache_dtype, model.dtype))
+    one = torch.ones((), dtype=torch.float32, device=runner.device)  # the layers' default k/v/q scales
     # the kernels' modules and local memory come from the device's free memory, outside vLLM's profile
     logger.info("vllm-evict: loading the scoring kernels (%.2f GiB device memory free)",
                 torch.cuda.mem_get_info(runner.device)[0] / 2**30)
     start = time.perf_counter()
-    warm_up(make_cache, runner.device, model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel),
-            head_dim, model.dtype, runner.cache_config.block_size, q_dtype, cache_dtype)
+    warm_up(lambda kv_cache: paged_cache(kv_cache, head_dim, cache_dtype, model.dtype, one, one, one), runner.device,
+            model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel), head_dim, model.dtype,
+            runner.cache_config.block_size, query_dtype(cache_dtype, model.dtype), cache_dtype)
     logger.info("vllm-evict: scoring kernels ready in %.1f s (%.2f GiB device memory free)",
                 time.perf_counter() - start, torch.cuda.mem_get_info(runner.device)[0] / 2**30)
 
