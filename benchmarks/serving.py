@@ -30,7 +30,7 @@ Suites (`--suite`):
             serves at all (the evict engine with --allow-long-prompts may exceed the pool).
 
 Engines (`--engine`): `vanilla` (stock vLLM, VLLM_PLUGINS=none, FLASH_ATTN (TRITON_ATTN for a per-token-head
-cache), vLLM's default CUDA graph mode) or `evict` (vllm-evict's engine kwargs: the same backend, vLLM's
+cache, vLLM's choice per layer for a TurboQuant cache), vLLM's default CUDA graph mode) or `evict` (vllm-evict's engine kwargs: the same backend, vLLM's
 default CUDA graph mode, eviction
 scheduler).
 
@@ -75,8 +75,10 @@ def make_engine(args):
             from vllm_evict.testing.tiny_models import write_real_config
 
             model = write_real_config("llama-3.1-8b", Path(args.workdir))
-        # vLLM's Triton backend alone reads its per-token-head caches (as vllm_evict.engine.attention_backend)
-        backend = "TRITON_ATTN" if args.kv_cache_dtype.endswith("per_token_head") else "FLASH_ATTN"
+        # vLLM's Triton backend alone reads its per-token-head caches; a TurboQuant cache names none (vLLM
+        # picks per layer): as vllm_evict.engine.attention_backend
+        backend = ("TRITON_ATTN" if args.kv_cache_dtype.endswith("per_token_head")
+                   else None if args.kv_cache_dtype.startswith("turboquant_") else "FLASH_ATTN")
         kwargs = dict(model=str(model), load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.9,
                       attention_backend=backend)
         if importlib.util.find_spec("flashinfer") is None:  # as testing.engines.gpu_defaults (vanilla: no package)
@@ -787,6 +789,9 @@ E2E_16K = ["--shapes", "16384:512:64"]
 FP8 = ["--kv-cache-dtype", "fp8"]
 # vLLM's per-token-head caches (TRITON_ATTN): a scale per token and head beside int8 / fp8 / int4 data
 PER_TOKEN_HEAD = {bits: ["--kv-cache-dtype", f"{bits}_per_token_head"] for bits in ("int8", "fp8", "int4")}
+# vLLM's TurboQuant caches (TURBOQUANT; a dense model's first and last two layers stay in the model dtype)
+TURBOQUANT = {preset: ["--kv-cache-dtype", f"turboquant_{preset}"] for preset in ("k8v4", "4bit_nc", "k3v4_nc",
+                                                                                 "3bit_nc")}
 BLOCKWISE_POOL = ["--kv-cache-memory-bytes", str(8 << 30), "--memory-lengths", "32768", "65000", "131000"]
 
 
@@ -854,6 +859,13 @@ PLANS = {
         ("evict", "capacity", CAPACITY_32K + ["--max-num-seqs", "2048", "--shared-prefix",
                                               "--capacity-configs", "0.1:uniform"] + PER_TOKEN_HEAD[bits], 300)]
        for bits, requests in (("int8", 72), ("fp8", 72), ("int4", 144))},
+    # vanilla on a TurboQuant cache (about 2.8x-3.3x bf16's tokens with its model-dtype boundary layers), DropKV
+    # 10% on it
+    **{f"capacity-32k-turboquant-{preset.replace('_', '-')}": [
+        ("vanilla", "capacity", CAPACITY_32K + ["--num-requests", "120"] + TURBOQUANT[preset], 300),
+        ("evict", "capacity", CAPACITY_32K + ["--max-num-seqs", "2048", "--shared-prefix",
+                                              "--capacity-configs", "0.1:uniform"] + TURBOQUANT[preset], 300)]
+       for preset in TURBOQUANT},
     # decode throughput at capacity and end to end at 16K, bf16 against fp8 cache (--shared-prefix: load only)
     "capacity-e2e-bf16": [("vanilla", "load,e2e", AT_CAPACITY_32K + E2E_16K, 280),
                           ("evict", "load,e2e", AT_CAPACITY_32K + E2E_16K + ["--shared-prefix"], 220)],
@@ -863,6 +875,10 @@ PLANS = {
         ("vanilla", "load,e2e", AT_CAPACITY_32K + E2E_16K + PER_TOKEN_HEAD["int4"], 290),
         ("evict", "load,e2e", AT_CAPACITY_32K + ["--max-num-seqs", "2048"] + E2E_16K + ["--shared-prefix"]
          + PER_TOKEN_HEAD["int4"], 290)],
+    "capacity-e2e-turboquant-4bit-nc": [
+        ("vanilla", "load,e2e", AT_CAPACITY_32K + E2E_16K + TURBOQUANT["4bit_nc"], 290),
+        ("evict", "load,e2e", AT_CAPACITY_32K + ["--max-num-seqs", "2048"] + E2E_16K + ["--shared-prefix"]
+         + TURBOQUANT["4bit_nc"], 290)],
     # end to end against the physical limit (vanilla measures it): DropKV uniform and Ada-KV on one engine
     "e2e-8k-2k-16k-512": [("vanilla", "e2e", E2E_8K_16K, 320),
                           ("evict", "e2e", E2E_8K_16K + ["--allocation", "uniform,adakv"], 300)],

@@ -94,7 +94,8 @@ def configure(args: argparse.Namespace, parser) -> None:
         if value in (None, parser.get_default(key)):
             setattr(args, key, needed[key])
         elif str(getattr(value, "name", value)) not in accepted:
-            raise ValueError(f"{flag} {value}: vllm-evict needs {flag} {needed[key]}")
+            wanted = needed[key] or " or ".join(sorted(accepted))  # None: vLLM picks per layer
+            raise ValueError(f"{flag} {value}: vllm-evict needs {flag} {wanted}")
     if args.api_server_count is None and not getattr(args, "headless", False):  # a headless node serves no API
         args.api_server_count = 1  # vLLM would default to the data-parallel size
     if (args.api_server_count or 0) > 1:

@@ -1,6 +1,7 @@
-"""GPU: eviction on quantized KV caches: FlashAttention's fp8 (e4m3, vLLM's per-layer k/v scales, FlashAttention 3)
-and the Triton backend's per-token-head caches (int8, fp8, int4; tests/engine/test_per_token_head_cache.py
-checks their adapter against vLLM's own write and scale views).
+"""GPU: eviction on quantized KV caches: FlashAttention's fp8 (e4m3, vLLM's per-layer k/v scales, FlashAttention 3),
+the Triton backend's per-token-head caches (int8, fp8, int4; tests/engine/test_per_token_head_cache.py
+checks their adapter against vLLM's own write and scale views) and TurboQuant's (tests/engine/
+test_turboquant_cache.py checks its adapter against vLLM's own store and dequantization).
 
 * Compaction of fp8 caches: scoring reads the cache dequantized (each layer's bytes times its scale) and
   fp8 window queries dequantized with their scale; the kept sets equal the torch reference's on those same
@@ -8,7 +9,7 @@ checks their adapter against vLLM's own write and scale views).
 * The engine on each cache dtype: a 100% budget (uniform: the stock layout; Ada-KV: the per-head path, on
   FlashAttention) and a decode budget covering the sequence give the tokens of the same engine without
   eviction; every policy at a 10% budget, one-shot, block-wise and decode-time, runs to its length and frees
-  blocks. On the Triton backend Ada-KV is refused with a 400-style error that names the backend."""
+  blocks. On the Triton and TurboQuant backends Ada-KV is refused with a 400-style error that names the backend."""
 
 from __future__ import annotations
 
@@ -110,16 +111,18 @@ MAX_TOKENS = 40
 
 
 PER_TOKEN_HEAD = ["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"]
+# the tiny model's 3 layers under TurboQuant: the middle one quantized, vLLM keeps the first and last in bf16
+TURBOQUANT = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_3bit_nc"]
 
 
-@pytest.mark.parametrize("cache_dtype", ["fp8", "auto", *PER_TOKEN_HEAD, "auto-triton"])
+@pytest.mark.parametrize("cache_dtype", ["fp8", "auto", *PER_TOKEN_HEAD, "auto-triton", *TURBOQUANT])
 def test_engine_eviction_at_full_budget_matches_no_eviction(tiny_llama, cache_dtype):
     """One engine (FULL CUDA graphs, async scheduling) per cache dtype (bf16 on FlashAttention and on Triton,
     "auto-triton", for comparison): at a 100% budget and with a decode budget covering the sequence the tokens
     equal the same prompt's without eviction (uniform exactly; what runs per-head attention, Ada-KV rows and on
     fp8 the decode budget's capture steps, until a divergence where each side's token is in the other's top 5,
     as test_cuda_graphs allows); every policy at 10%, one-shot and block-wise, and a decode budget, run to
-    their length and free blocks. The Triton backend refuses Ada-KV."""
+    their length and free blocks. The Triton and TurboQuant backends refuse Ada-KV."""
     import gc
 
     from vllm import SamplingParams
@@ -147,8 +150,9 @@ def test_engine_eviction_at_full_budget_matches_no_eviction(tiny_llama, cache_dt
         {"policy": "snapkv", "budget": 0.1, "chunked": True, "chunk_size": 128},
         {"policy": "dropkv", "budget": 0.1, "allocation": "adakv"},
         {"policy": "snapkv", "decode_budget": 64, "decode_every": 16}]
-    triton = cache_dtype in PER_TOKEN_HEAD or cache_dtype == "auto-triton"
-    refused = [c for c in close + evicting if c.get("allocation") == "adakv"] if triton else []
+    stock_only = ("TURBOQUANT" if cache_dtype in TURBOQUANT else
+                  "TRITON_ATTN" if cache_dtype in PER_TOKEN_HEAD or cache_dtype == "auto-triton" else None)
+    refused = [c for c in close + evicting if c.get("allocation") == "adakv"] if stock_only else []
     cases = [None, *[c for c in exact + close + evicting if c not in refused]]
     engine = dict(kv_cache_dtype="auto", attention_backend="TRITON_ATTN") if cache_dtype == "auto-triton" else dict(
         kv_cache_dtype=cache_dtype)
@@ -160,7 +164,7 @@ def test_engine_eviction_at_full_budget_matches_no_eviction(tiny_llama, cache_dt
                                  extra_args={"vllm_evict": c} if c else None) for c in cases]
         outs = llm.generate([{"prompt_token_ids": prompt}] * len(cases), params)
         for case in refused:  # refused where requests arrive, naming the backend; the engine keeps serving
-            with pytest.raises(ValueError, match="TRITON_ATTN"):
+            with pytest.raises(ValueError, match=stock_only):
                 llm.generate([{"prompt_token_ids": prompt}],
                              SamplingParams(max_tokens=4, extra_args={"vllm_evict": case}))
     finally:

@@ -43,6 +43,26 @@ def test_the_full_attention_group_is_the_one_evicted():
     assert other_group_blocks(hybrid, group, 10_000) == 2 * 4 and other_group_blocks(hybrid, group, 20) == 2 * 2
 
 
+def test_a_turboquant_group_with_model_dtype_boundary_layers_is_evicted():
+    """vLLM puts a dense model's TurboQuant layers and the boundary layers it keeps in the model dtype in one
+    group of differently sized caches (UniformTypeKVCacheSpecs): one block table, evicted whole. A group that
+    also holds a window layer is not."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, TQFullAttentionSpec, UniformTypeKVCacheSpecs
+
+    from vllm_evict.engine.layout import evicted_group
+
+    tq = TQFullAttentionSpec(block_size=PAGE, num_kv_heads=2, head_size=64, dtype=torch.uint8, tq_slot_size=70)
+    layers = {"model.layers.0.attn": spec("full"), "model.layers.1.attn": tq, "model.layers.2.attn": tq}
+    group, reason = evicted_group(KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(list(layers), UniformTypeKVCacheSpecs(block_size=PAGE, kv_cache_specs=layers))]))
+    assert reason is None and group.index == 0 and not group.hybrid
+    assert evicted_group(config(tq))[0].index == 0  # a hybrid model's TurboQuant group: no boundary layers
+    windowed = {**layers, "model.layers.3.attn": spec("full", sliding_window=32)}
+    group, reason = evicted_group(KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(list(windowed), UniformTypeKVCacheSpecs(block_size=PAGE, kv_cache_specs=windowed))]))
+    assert group is None and "no full-attention KV cache group" in reason
+
+
 @pytest.mark.parametrize("specs, words", [
     (("mla",), "no full-attention KV cache group"),
     (("sliding",), "no full-attention KV cache group"),
@@ -60,11 +80,13 @@ def test_layouts_that_cannot_evict_say_why(specs, words):
 
 @pytest.mark.parametrize("cache_dtype, backend, per_head", [
     ("auto", None, True), ("fp8", None, True), ("auto", "FLASH_ATTN", True),
-    ("int8_per_token_head", None, False), ("int4_per_token_head", None, False), ("auto", "TRITON_ATTN", False)])
+    ("int8_per_token_head", None, False), ("int4_per_token_head", None, False), ("auto", "TRITON_ATTN", False),
+    ("turboquant_4bit_nc", None, False), ("turboquant_k8v4", None, False)])
 def test_adakv_is_refused_where_attention_has_no_per_head_path(monkeypatch, cache_dtype, backend, per_head):
     """Ada-KV's per-head layout needs the per-head attention path, which the Triton backend (per-token-head
     caches, or picked by name) does not have: refused where requests arrive, naming the backend; uniform
-    allocation passes everywhere. (The engine rule alone: the engine's model checks are stubbed.)"""
+    allocation passes everywhere. TurboQuant's backend has no per-head path either. (The engine rule alone:
+    the engine's model checks are stubbed.)"""
     from types import SimpleNamespace
 
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -87,7 +109,8 @@ def test_adakv_is_refused_where_attention_has_no_per_head_path(monkeypatch, cach
     if per_head:
         layout.check_on_engine(request("adakv"), vllm_config)
     else:
-        with pytest.raises(ValueError, match="allocation 'adakv' is not supported .*TRITON_ATTN"):
+        expected = "TURBOQUANT" if cache_dtype.startswith("turboquant_") else "TRITON_ATTN"
+        with pytest.raises(ValueError, match=f"allocation 'adakv' is not supported .*{expected}"):
             layout.check_on_engine(request("adakv"), vllm_config)
 
 

@@ -1,6 +1,6 @@
 """Settings eviction does not support are refused at engine start with a message that names the flag,
-instead of failing mid-serving: a quantized KV cache other than FlashAttention's e4m3 fp8 and the Triton
-backend's per-token-head caches on CUDA."""
+instead of failing mid-serving: a quantized KV cache other than FlashAttention's e4m3 fp8, the Triton
+backend's per-token-head caches and TurboQuant's on CUDA."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from vllm_evict.engine.attention import check_cache_dtype
 
 MESSAGE = "vllm-evict does not support the KV cache dtype '{0}' (--kv-cache-dtype {0}) on the {1} attention backend"
 PER_TOKEN_HEAD = ["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"]
+TURBOQUANT = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]
+BACKENDS = {"FLASH_ATTN", "TRITON_ATTN", "TURBOQUANT", "CPU_ATTN"}
 
 
 @pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN", "CPU_ATTN"])
@@ -21,16 +23,17 @@ def test_model_dtype_caches_pass(dtype, backend):
 
 
 @pytest.mark.parametrize("dtype, backend", [("fp8", "FLASH_ATTN"), ("fp8_e4m3", "FLASH_ATTN"),
-                                            *[(dtype, "TRITON_ATTN") for dtype in PER_TOKEN_HEAD]])
+                                            *[(dtype, "TRITON_ATTN") for dtype in PER_TOKEN_HEAD],
+                                            *[(dtype, "TURBOQUANT") for dtype in TURBOQUANT]])
 def test_quantized_caches_pass_on_the_cuda_backend_that_evicts_them(dtype, backend):
     check_cache_dtype(dtype, backend)
-    for other in {"FLASH_ATTN", "TRITON_ATTN", "CPU_ATTN"} - {backend}:
+    for other in BACKENDS - {backend}:
         with pytest.raises(ValueError, match=re.escape(MESSAGE.format(dtype, other))):
             check_cache_dtype(dtype, other)
 
 
-@pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN", "CPU_ATTN"])
-@pytest.mark.parametrize("dtype", ["fp8_e5m2", "fp8_inc", "nvfp4", "turboquant_4bit_nc"])
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("dtype", ["fp8_e5m2", "fp8_inc", "nvfp4"])
 def test_other_quantized_caches_are_refused(dtype, backend):
     with pytest.raises(ValueError, match=re.escape(MESSAGE.format(dtype, backend))) as raised:
         check_cache_dtype(dtype, backend)
@@ -38,7 +41,7 @@ def test_other_quantized_caches_are_refused(dtype, backend):
     assert "--kv-cache-dtype auto" in message
     cuda = backend != "CPU_ATTN"  # on CUDA the message names every dtype that evicts, and its backend
     assert ("fp8 or fp8_e4m3 (FLASH_ATTN)" in message) == cuda
-    assert all((dtype in message) == cuda for dtype in PER_TOKEN_HEAD)
+    assert all((dtype in message) == cuda for dtype in PER_TOKEN_HEAD + TURBOQUANT)
 
 
 @pytest.mark.engine

@@ -57,6 +57,20 @@ def test_warm_up_on_cuda_per_token_head_caches(cache_dtype):
     check_compacted(states, num_kv, page)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+                                         "turboquant_3bit_nc"])
+def test_warm_up_on_cuda_turboquant_caches(cache_dtype):
+    """TurboQuant's caches (Llama-3.1-8B's heads), written by vLLM's store: the warm-up moves their slots as bytes."""
+    from vllm_evict.engine.turboquant_backend import TurboQuantPagedCache
+    from vllm_evict.engine.warm_up import warm_up
+
+    num_q, num_kv, head_dim, page = SERVED_SHAPES["llama-3.1-8b"]
+    states = warm_up(lambda kv: TurboQuantPagedCache(kv, head_dim, cache_dtype, torch.bfloat16),
+                     torch.device("cuda"), num_q, num_kv, head_dim, torch.bfloat16, page, torch.bfloat16, cache_dtype)
+    check_compacted(states, num_kv, page)
+
+
 def check_compacted(states, num_kv: int, page: int) -> None:
     assert len(states) == len(POLICIES) * len(ALLOCATIONS) and {s.spec.config.policy for s in states} == set(POLICIES)
     assert any(s.spec.config.allocation == "adakv" for s in states)

@@ -103,15 +103,20 @@ def test_incompatible_flags_are_refused(tmp_path, flags, message):
     ([], "FLASH_ATTN"), (["--kv-cache-dtype", "fp8"], "FLASH_ATTN"),
     (["--kv-cache-dtype", "int4_per_token_head"], "TRITON_ATTN"),    # the one backend that reads it
     (["--attention-backend", "TRITON_ATTN"], "TRITON_ATTN"),         # a user's pick it evicts through
-    (["--attention-backend", "FLASHINFER"], None)])
+    (["--kv-cache-dtype", "turboquant_4bit_nc"], None),              # vLLM picks per layer (TURBOQUANT, FLASH_ATTN)
+    (["--attention-backend", "FLASHINFER"], "refused: FLASH_ATTN"),
+    (["--kv-cache-dtype", "turboquant_3bit_nc", "--attention-backend", "FLASHINFER"],
+     "refused: FLASH_ATTN or TRITON_ATTN or TURBOQUANT")])
 def test_cuda_attention_backend_follows_the_cache_dtype(tmp_path, monkeypatch, flags, backend):
-    """On CUDA the server evicts through FLASH_ATTN, or TRITON_ATTN for vLLM's per-token-head caches; another
-    backend is refused by name."""
+    """On CUDA the server evicts through FLASH_ATTN, or TRITON_ATTN for vLLM's per-token-head caches, and names
+    none for a TurboQuant cache (vLLM's TURBOQUANT for its quantized layers, FlashAttention for the boundary
+    layers it keeps in the model dtype); another backend is refused by name."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    if backend is None:
-        with pytest.raises(ValueError, match="--attention-backend FLASHINFER: vllm-evict needs"):
+    if backend and backend.startswith("refused: "):
+        with pytest.raises(ValueError, match=f"--attention-backend FLASHINFER: vllm-evict needs "
+                                             f"--attention-backend {backend[len('refused: '):]}$"):
             configured(str(tmp_path), *flags)
         return
     value = configured(str(tmp_path), *flags).attention_backend

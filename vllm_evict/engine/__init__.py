@@ -27,15 +27,20 @@ def engine_kwargs(**user_kwargs: Any) -> dict[str, Any]:
     return kwargs
 
 
-# The CUDA attention backends vllm-evict evicts through (engine/cuda_backend.py, engine/triton_backend.py)
-EVICTING_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
+# The CUDA attention backends vllm-evict evicts through (engine/cuda_backend.py, engine/triton_backend.py,
+# engine/turboquant_backend.py)
+EVICTING_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "TURBOQUANT")
 
 
-def attention_backend(kv_cache_dtype: str) -> str:
+def attention_backend(kv_cache_dtype: str) -> str | None:
     """The backend a CUDA engine evicts through for this KV cache dtype: vLLM's Triton backend for its
-    per-token-head caches (the only backend that reads them), FlashAttention for every other."""
+    per-token-head caches (the only backend that reads them); for a TurboQuant cache none is named, so that
+    vLLM picks TURBOQUANT for its quantized layers and FlashAttention for the boundary layers it keeps in the
+    model dtype (engine/turboquant_backend.py); FlashAttention for every other."""
     from vllm.v1.kv_cache_interface import kv_cache_uses_per_token_head_scales
 
+    if kv_cache_dtype.startswith("turboquant_"):
+        return None
     return "TRITON_ATTN" if kv_cache_uses_per_token_head_scales(kv_cache_dtype) else "FLASH_ATTN"
 
 

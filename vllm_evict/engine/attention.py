@@ -34,9 +34,12 @@ from vllm_evict.engine.step import BUILD, PerHeadDecodeBatch, StagedDecodeBatch,
 
 # The quantized caches eviction handles, by CUDA attention backend (vLLM picks the backend from the dtype):
 # FlashAttention's fp8 (e4m3, per-layer k/v scales), the Triton backend's per-token-head caches (a scale per
-# token and head beside its data). Other platforms evict model-dtype caches only.
+# token and head beside its data), TurboQuant's (key and value codes in one slot per token and head). Other
+# platforms evict model-dtype caches only.
 QUANTIZED_CACHE_DTYPES = {"FLASH_ATTN": ("fp8", "fp8_e4m3"),
-                          "TRITON_ATTN": ("int8_per_token_head", "fp8_per_token_head", "int4_per_token_head")}
+                          "TRITON_ATTN": ("int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"),
+                          "TURBOQUANT": ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+                                         "turboquant_3bit_nc")}
 MODEL_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
@@ -80,18 +83,23 @@ def decode_graph_tables(kv_cache_spec, layer_names, vllm_config, device, full_gr
     """The persistent tables of the eviction's FULL decode graphs (runner_hooks.py), for the evicted KV
     cache group's builder when vLLM captures FULL graphs of one token per row (no speculative decoding);
     None for the other groups of a hybrid model (they replay stock attention). A backend without per-head
-    attention replays only staged graphs, which use the tables' queries: one page per sequence then."""
+    attention replays only staged graphs, which use the tables' queries: one page per sequence then. The
+    builders of the evicted group share one query buffer (step.BUILD.staged_queries)."""
     evicted = BUILD.evicted_layers.intersection(layer_names)
     if not (full_graphs and vllm_config.num_speculative_tokens == 0 and evicted):
         return None
     page, model = kv_cache_spec.block_size, vllm_config.model_config
-    return per_head.DecodeGraphTables(
-        num_layers=max(extract_layer_index(name) for name in layer_names) + 1,
+    # every builder of the evicted group stages its layers' queries in one buffer, which the worker reads (a
+    # TurboQuant model's boundary layers have a FlashAttention builder beside TurboQuant's)
+    tables = per_head.DecodeGraphTables(
+        num_layers=max(extract_layer_index(name) for name in BUILD.evicted_layers) + 1,
         max_rows=min(vllm_config.scheduler_config.max_num_seqs,
                      vllm_config.compilation_config.max_cudagraph_capture_size),
         num_heads=kv_cache_spec.num_kv_heads, max_pages=-(-model.max_model_len // page) + 1 if per_head else 1,
         page_size=page, device=device, num_q_heads=model.get_num_attention_heads(vllm_config.parallel_config),
-        head_dim=kv_cache_spec.head_size, dtype=query_dtype)
+        head_dim=kv_cache_spec.head_size, dtype=query_dtype, queries=BUILD.staged_queries)
+    BUILD.staged_queries = tables.queries
+    return tables
 
 
 class EvictionMetadataBuilderMixin:

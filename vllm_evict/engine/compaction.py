@@ -29,6 +29,7 @@ page rounding (DESIGN.md §3.4) included, runs on the cache's device without hos
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import MutableMapping
 from dataclasses import dataclass
@@ -209,13 +210,22 @@ def compaction_slots(keep: torch.Tensor, page_counts: torch.Tensor, fresh_blocks
     return torch.where(keep, slot, -1).transpose(-1, -2)
 
 
-def layer_groups(layers: list, prompt_len: int, num_heads: int, token_head_bytes: int,
-                 group_bytes: int = GROUP_BYTES) -> list[list]:
-    """Consecutive layers whose gathered K and V (token_head_bytes per token and head: the adapter's
-    gathered_bytes, dequantized copies included) fit group_bytes together (at least one layer each)."""
-    per_layer = prompt_len * num_heads * token_head_bytes
-    size = max(1, group_bytes // per_layer)
-    return [layers[i: i + size] for i in range(0, len(layers), size)]
+def layer_groups(layers: list, prompt_len: int, group_bytes: int = GROUP_BYTES) -> list[list]:
+    """Consecutive layers of one cache layout (a TurboQuant model keeps its boundary layers in the model
+    dtype) whose gathered K and V (prompt_len tokens of each head, the adapter's gathered_bytes each,
+    dequantized copies included) fit group_bytes together (at least one layer each)."""
+    groups = []
+    for _, run in itertools.groupby(layers, key=lambda item: stored_layout(item[1])):
+        run = list(run)
+        cache = run[0][1]
+        size = max(1, group_bytes // (prompt_len * cache.num_heads * cache.gathered_bytes))
+        groups += [run[i: i + size] for i in range(0, len(run), size)]
+    return groups
+
+
+def stored_layout(cache) -> tuple:
+    """What layers must share to be gathered, scored and written together: the adapter and what a half holds."""
+    return type(cache), cache.stored_dim, cache.dtype
 
 
 def batch_key(state) -> tuple | None:
@@ -273,7 +283,7 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     Fills each state.layers. Returns, for Ada-KV under TP (one request), the fresh blocks F' <= F that the
     fullest rank fills (a device scalar): the layout spans those, and the other F - F' are never written;
     else None."""
-    state, cache = requests[0][0], layers[0][1]
+    state, num_heads = requests[0][0], layers[0][1].num_heads
     point, config = state.point, state.point.config
     fixed, R = point.fixed, len(requests)
     states = [each for each, _, _ in requests]
@@ -285,7 +295,7 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     # head by head)
     written = torch.stack([blocks for _, _, blocks in requests])
     read = None if per_head else torch.stack([blocks for _, blocks, _ in requests])
-    groups = layer_groups(layers, held * R, cache.num_heads, cache.gathered_bytes, group_bytes)
+    groups = layer_groups(layers, held * R, group_bytes)
     options = {**config.score_options(), "window": point.window, "sink": point.sink, "future_rotation": rotation}
     # Ada-KV under TP: the layout spans the blocks of the fullest rank over all layers, known once every
     # layer is selected, so the groups are written after that (gathered again, all but the last). Under
@@ -295,12 +305,12 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     deferred = state.deferred and not spans_written
     selected, used = [], None
     for group in groups:
-        lengths = None
+        lengths, cache = None, group[0][1]
         if per_head:
             keys, values, lengths = _gather_heads(cache, group, requests, held)
         else:
             keys, values = _gather(cache, group, read, held)
-        G, H = len(group), cache.num_heads
+        G, H = len(group), num_heads
         q_window = None
         if state.window:  # [w, R, G, Hq, D] of every request's [L, w, Hq, D]
             q_window = group_layers(torch.stack([s.q_window for s, _, _ in requests], dim=1), group, 0)
@@ -335,7 +345,7 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
             _write_group(states, group, keys, values, keep, counts, written)
             for i, (index, _) in enumerate(group):
                 for follower in (followers or {}).get(index, ()):
-                    follower_keys, follower_values = _gather(cache, [follower], read, held)
+                    follower_keys, follower_values = _gather(follower[1], [follower], read, held)
                     _write_group(states, [follower], follower_keys, follower_values, keep[:, i: i + 1],
                                  counts[:, i: i + 1], written)
             continue
@@ -343,11 +353,11 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
         used = fullest if used is None else torch.maximum(used, fullest)
         selected.append((group, keep[0], counts[0]))
     if deferred:
-        used = (used + cache.num_heads - 1) // cache.num_heads
+        used = (used + num_heads - 1) // num_heads
         for i, (group, keep, counts) in enumerate(selected):
             if i < len(selected) - 1:  # the last group's K/V are still gathered (the others' layers unwritten)
-                keys, values = (_gather_heads(cache, group, requests, held)[:2] if per_head
-                                else _gather(cache, group, read, held))
+                keys, values = (_gather_heads(group[0][1], group, requests, held)[:2] if per_head
+                                else _gather(group[0][1], group, read, held))
             _write_group(states, group, keys, values, keep[None], counts[None], written, used)
     if spans_written:
         return torch.tensor(written.shape[1], device=written.device)

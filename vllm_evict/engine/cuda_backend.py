@@ -28,6 +28,7 @@ from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, reshape_
 
 from vllm_evict.engine.attention import EvictionAttentionMixin, EvictionMetadataBuilderMixin, decode_graph_tables
 from vllm_evict.engine.hnd_cache import HndPagedCache
+from vllm_evict.engine.layout import per_head_attention
 from vllm_evict.engine.per_head import DecodeGraphTables
 
 
@@ -181,11 +182,12 @@ def ordered_decode_attention(q: torch.Tensor, cache: CudaPagedCache, query_rows:
 
 def query_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The queries' dtype in the attention call: vLLM's attention layer quantizes them to fp8 for an fp8
-    cache (not a per-token-head one) when FlashAttention takes quantized queries (FA3)."""
+    cache (not a per-token-head or TurboQuant one: FlashAttention then runs only the model-dtype boundary
+    layers) when FlashAttention takes quantized queries (FA3)."""
     from vllm.v1.attention.backends.fa_utils import flash_attn_supports_quant_query_input
 
     if is_quantized_kv_cache(cache_dtype) and not kv_cache_uses_per_token_head_scales(cache_dtype) \
-            and flash_attn_supports_quant_query_input():
+            and not cache_dtype.startswith("turboquant_") and flash_attn_supports_quant_query_input():
         return current_platform.fp8_dtype()
     return model_dtype
 
@@ -199,7 +201,8 @@ class EvictFlashAttentionMetadataBuilder(EvictionMetadataBuilderMixin, FlashAtte
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.per_head_decode = decode_graph_tables(
             kv_cache_spec, layer_names, vllm_config, device, self.use_full_cuda_graph,
-            query_dtype(vllm_config.cache_config.cache_dtype, vllm_config.model_config.dtype), per_head=True)
+            query_dtype(vllm_config.cache_config.cache_dtype, vllm_config.model_config.dtype),
+            per_head=per_head_attention(vllm_config))  # not beside TurboQuant's layers (its boundary layers)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)

@@ -67,8 +67,9 @@ def check_on_engine(spec, vllm_config) -> None:
     spec.check_page_size(vllm_config.cache_config.block_size)
     if spec.config.allocation != "uniform" and not per_head_attention(vllm_config):
         raise ValueError(f"allocation {spec.config.allocation!r} is not supported on this engine's attention "
-                         f"backend (TRITON_ATTN, KV cache dtype {vllm_config.cache_config.cache_dtype}): it evicts "
-                         "in the stock layout only; use \"allocation\": \"uniform\"")
+                         f"backend ({stock_layout_backend(vllm_config)}, KV cache dtype "
+                         f"{vllm_config.cache_config.cache_dtype}): it evicts in the stock layout only; use "
+                         "\"allocation\": \"uniform\"")
     if drafts_with_kv_cache(vllm_config.speculative_config) and spec.config.allocation != "uniform":
         raise ValueError(f"allocation {spec.config.allocation!r} is not supported with a draft model that keeps "
                          f"its own KV cache (speculative method {vllm_config.speculative_config.method!r}): its "
@@ -76,13 +77,23 @@ def check_on_engine(spec, vllm_config) -> None:
 
 
 def per_head_attention(vllm_config) -> bool:
-    """Whether the engine's attention runs Ada-KV's per-head layout. The Triton backend (per-token-head
-    caches, or picked with --attention-backend TRITON_ATTN) evicts in the stock layout only."""
+    """Whether the engine's attention runs Ada-KV's per-head layout: not on the Triton backend (per-token-head
+    caches, or picked with --attention-backend TRITON_ATTN) nor on TurboQuant's, which evict in the stock
+    layout only."""
+    return stock_layout_backend(vllm_config) is None
+
+
+def stock_layout_backend(vllm_config) -> str | None:
+    """The attention backend of this engine that evicts in the stock layout only, or None."""
     from vllm.v1.kv_cache_interface import kv_cache_uses_per_token_head_scales
 
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
     backend = vllm_config.attention_config.backend
-    return not (kv_cache_uses_per_token_head_scales(str(vllm_config.cache_config.cache_dtype))
-                or (backend is not None and backend.name == "TRITON_ATTN"))
+    if cache_dtype.startswith("turboquant_"):
+        return "TURBOQUANT"
+    if kv_cache_uses_per_token_head_scales(cache_dtype) or (backend is not None and backend.name == "TRITON_ATTN"):
+        return "TRITON_ATTN"
+    return None
 
 
 def drafts_with_kv_cache(speculative_config) -> bool:
@@ -116,11 +127,14 @@ def _has_window_layers(text_config) -> bool:
 
 
 def is_full_attention(spec) -> bool:
-    """A cache spec eviction compacts: plain full attention (not a window, chunked-local, latent or
-    quantized-in-another-format subclass)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    """A cache spec eviction compacts: plain full attention (not a window, chunked-local or latent subclass),
+    TurboQuant's included, or one group of such layers whose caches differ in size (TurboQuant's boundary
+    layers keep the model dtype beside the quantized ones: one block table for both)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, TQFullAttentionSpec, UniformTypeKVCacheSpecs
 
-    return (type(spec) is FullAttentionSpec and spec.sliding_window is None
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return all(is_full_attention(layer) for layer in spec.kv_cache_specs.values())
+    return (type(spec) in (FullAttentionSpec, TQFullAttentionSpec) and spec.sliding_window is None
             and spec.attention_chunk_size is None)
 
 

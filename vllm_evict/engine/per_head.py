@@ -236,9 +236,13 @@ class DecodeGraphTables:
     """
 
     def __init__(self, num_layers: int, max_rows: int, num_heads: int, max_pages: int, page_size: int,
-                 device: torch.device, num_q_heads: int, head_dim: int, dtype: torch.dtype):
+                 device: torch.device, num_q_heads: int, head_dim: int, dtype: torch.dtype,
+                 queries: torch.Tensor | None = None):
         self.num_heads, self.max_pages, self.page_size = num_heads, max_pages, page_size
-        self.queries = torch.empty(num_layers, max_rows, num_q_heads, head_dim, dtype=dtype, device=device)
+        shape = (num_layers, max_rows, num_q_heads, head_dim)
+        if queries is None or queries.shape != shape or queries.dtype != dtype or queries.device != device:
+            queries = torch.empty(shape, dtype=dtype, device=device)   # else another builder's, shared
+        self.queries = queries
         zeros = dict(dtype=torch.int32, device=device)
         self.fresh = torch.zeros(max_rows, **zeros)
         self.counts = torch.zeros(num_layers, max_rows, num_heads, **zeros)

@@ -31,6 +31,8 @@ def register() -> None:
                          "vllm_evict.engine.cuda_backend.EvictFlashAttentionBackend")
         register_backend(AttentionBackendEnum.TRITON_ATTN,  # vLLM's backend for per-token-head caches
                          "vllm_evict.engine.triton_backend.EvictTritonAttentionBackend")
+        register_backend(AttentionBackendEnum.TURBOQUANT,  # vLLM's backend for TurboQuant caches
+                         "vllm_evict.engine.turboquant_backend.EvictTurboQuantAttentionBackend")
         _install_triton_scoring()
     from vllm_evict.engine.runner_hooks import install_runner_hooks
 

@@ -99,6 +99,7 @@ class MetadataBuild:
     evicted_layers: frozenset = frozenset()
     hybrid: bool = False
     plan: StepPlan | None = None
+    staged_queries: torch.Tensor | None = None  # the evicted group's builders' shared query stage
 
 
 BUILD = MetadataBuild()

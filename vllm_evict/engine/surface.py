@@ -59,6 +59,17 @@ SURFACE: dict[str, dict[str, str]] = {
         "vllm.v1.attention.backends.triton_attn:TritonAttentionBackend.get_kv_cache_shape":
             "num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str=",
         "vllm.v1.attention.ops.int4_per_token_head:single_rht": "x, inverse=",
+        # turboquant_backend.py: the builder (host lengths of compacted rows), the cache shape (V1 asks for
+        # "auto"), the rotation and Lloyd-Max levels its decoding reads, and the store (called)
+        "vllm.v1.attention.backends.turboquant_attn:TurboQuantMetadataBuilder.build":
+            "self, common_prefix_len, common_attn_metadata, fast_build=",
+        "vllm.v1.attention.backends.turboquant_attn:TurboQuantAttentionBackend.get_kv_cache_shape":
+            "num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str=",
+        "vllm.v1.attention.backends.turboquant_attn:_build_hadamard": "d, device_str",
+        "vllm.model_executor.layers.quantization.turboquant.centroids:get_centroids": "d, bits",
+        "vllm.v1.attention.ops.triton_turboquant_store:triton_turboquant_store":
+            "key, value, kv_cache, slot_mapping, PiT, midpoints, mse_bits, key_packed_size, value_quant_bits, "
+            "key_fp8=",
         # plugin.py: request validation in the API process
         "vllm.v1.engine.input_processor:InputProcessor._validate_params": "self, params, supported_tasks",
         "vllm.v1.engine.input_processor:InputProcessor.process_inputs":

@@ -23,17 +23,27 @@ def warm_up_scoring(runner) -> None:
         return
     from vllm_evict.engine.cuda_backend import query_dtype
     from vllm_evict.engine.triton_backend import paged_cache
+    from vllm_evict.engine.turboquant_backend import TurboQuantPagedCache, is_turboquant
 
     model, parallel, cache_dtype = runner.model_config, runner.parallel_config, runner.cache_config.cache_dtype
     head_dim = model.get_head_size()
     one = torch.ones((), dtype=torch.float32, device=runner.device)  # the layers' default k/v/q scales
+
+    def make_cache(dtype: str):
+        if is_turboquant(dtype):
+            return lambda kv_cache: TurboQuantPagedCache(kv_cache, head_dim, dtype, model.dtype)
+        return lambda kv_cache: paged_cache(kv_cache, head_dim, dtype, model.dtype, one, one, one)
+
+    # layers vLLM keeps in the model dtype beside quantized ones (TurboQuant's boundary layers) compact too
+    dtypes = [cache_dtype] + (["auto"] if runner.cache_config.kv_cache_dtype_skip_layers else [])
     # the kernels' modules and local memory come from the device's free memory, outside vLLM's profile
     logger.info("vllm-evict: loading the scoring kernels (%.2f GiB device memory free)",
                 torch.cuda.mem_get_info(runner.device)[0] / 2**30)
     start = time.perf_counter()
-    warm_up(lambda kv_cache: paged_cache(kv_cache, head_dim, cache_dtype, model.dtype, one, one, one), runner.device,
-            model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel), head_dim, model.dtype,
-            runner.cache_config.block_size, query_dtype(cache_dtype, model.dtype), cache_dtype)
+    for dtype in dtypes:
+        warm_up(make_cache(dtype), runner.device, model.get_num_attention_heads(parallel),
+                model.get_num_kv_heads(parallel), head_dim, model.dtype, runner.cache_config.block_size,
+                query_dtype(dtype, model.dtype), dtype)
     logger.info("vllm-evict: scoring kernels ready in %.1f s (%.2f GiB device memory free)",
                 time.perf_counter() - start, torch.cuda.mem_get_info(runner.device)[0] / 2**30)
 
@@ -41,9 +51,19 @@ def warm_up_scoring(runner) -> None:
 def scratch_cache(cache_dtype: str, num_blocks: int, num_kv_heads: int, page: int, head_dim: int,
                   dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> torch.Tensor:
     """A layer's KV cache as vLLM lays it out for `cache_dtype` (HND), holding finite values: random ones of
-    the model dtype, their fp8 bytes, or per-token-head data with a scale of 1/64 after each half."""
+    the model dtype, their fp8 bytes, per-token-head data with a scale of 1/64 after each half, or random
+    keys and values written by vLLM's TurboQuant store."""
     if not is_quantized_kv_cache(cache_dtype):
         return torch.randn(num_blocks, num_kv_heads, page, 2 * head_dim, generator=gen, device=device).to(dtype)
+    from vllm_evict.engine.turboquant_backend import EvictTurboQuantAttentionBackend, is_turboquant, store
+
+    if is_turboquant(cache_dtype):
+        shape = EvictTurboQuantAttentionBackend.get_kv_cache_shape(num_blocks, page, num_kv_heads, head_dim,
+                                                                   cache_dtype)
+        cache = torch.zeros(shape, dtype=torch.uint8, device=device)
+        keys, values = torch.randn(2, num_blocks * page, num_kv_heads, head_dim, generator=gen, device=device)
+        store(cache, keys.to(dtype), values.to(dtype), torch.arange(num_blocks * page, device=device), cache_dtype)
+        return cache
     from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
     from vllm.v1.kv_cache_interface import kv_cache_uses_per_token_head_scales
 

@@ -139,6 +139,7 @@ class WorkerEvictionState:
         BUILD.evicted_layers = frozenset() if reason else frozenset(
             kv_cache_config.kv_cache_groups[group.index].layer_names)
         BUILD.hybrid = bool(self.group and self.group.hybrid)
+        BUILD.staged_queries = None  # this engine's builders make their own
         self.layers = None
 
     def build_plan(self, runner, scheduler_output) -> None:
@@ -292,7 +293,8 @@ class WorkerEvictionState:
         layers, scale = self.attention_layers(runner)
         cache = layers[0][1]
         states = [plan.states[row] for row in plan.compacting]
-        for batch in compaction_batches(states, len(layers), cache.num_heads, cache.gathered_bytes, self.group_bytes):
+        token_head_bytes = max(layer_cache.gathered_bytes for _, layer_cache in layers)
+        for batch in compaction_batches(states, len(layers), cache.num_heads, token_head_bytes, self.group_bytes):
             for state in batch:
                 if state.window:
                     state.q_window = self.windows.window(state.window_offset, state.window)

@@ -1,0 +1,188 @@
+"""TURBOQUANT with eviction (vLLM 0.26 CUDA): vLLM's backend for its TurboQuant caches (`--kv-cache-dtype
+turboquant_k8v4`, `turboquant_4bit_nc`, `turboquant_k3v4_nc`, `turboquant_3bit_nc`).
+
+The cache is [num_blocks, H_kv, N, S] bytes, head-major as eviction's other CUDA caches. One S-byte slot holds
+a (token, head)'s key and value together, `[key | value | padding to an even size]`:
+- key: k8v4 stores it as fp8 (D bytes; e4m3, or e4b15 below compute capability 8.9); the other presets store
+  the Lloyd-Max code (3 or 4 bits) of each coordinate of the unit key after vLLM's fixed Hadamard rotation,
+  then the key's norm (fp16). With norm correction the decoded code vector is renormalised to unit length;
+  the key is norm x codes, rotated back.
+- value: a 3- or 4-bit code per coordinate, then its fp16 scale and zero: value = code x scale + zero.
+Codes are a little-endian bit stream (coordinate i at bit i*bits).
+
+Compaction moves a slot as it is, as the two S/2-byte halves the HND adapter gathers and writes (the
+kernels of kernels/paged_kv.py, bytes unchanged). Scoring reads slots decoded as vLLM's own attention does
+(`decode_slots`), in the model dtype; queries reach this attention unquantized, so the window queries are
+the layer's own.
+
+vLLM keeps the first and last two layers of a dense model in the model dtype (its boundary layers, run by
+FlashAttention) in the same KV cache group and block table as the TurboQuant layers: compaction keeps the
+two layouts in separate layer groups (compaction.layer_groups). Attention is vLLM's own. Ada-KV's per-head
+path is not built on this backend: check_on_engine refuses Ada-KV here, as on TRITON_ATTN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
+from vllm.model_executor.layers.quantization.turboquant.config import TQ_PRESETS, TurboQuantConfig
+from vllm.v1.attention.backends.turboquant_attn import (
+    TurboQuantAttentionBackend,
+    TurboQuantAttentionImpl,
+    TurboQuantMetadataBuilder,
+    _build_hadamard,
+)
+
+from vllm_evict.engine.attention import EvictionAttentionMixin, EvictionMetadataBuilderMixin, decode_graph_tables
+from vllm_evict.engine.hnd_cache import HndPagedCache
+from vllm_evict.engine.step import BUILD
+
+
+def is_turboquant(cache_dtype: str) -> bool:
+    return str(cache_dtype) in TQ_PRESETS
+
+
+class TurboQuantPagedCache(HndPagedCache):
+    """A TurboQuant cache [num_blocks, H, N, S] as bytes: compaction gathers and writes a token's slot as two
+    S/2-byte halves without reading them; `dequantize` decodes gathered slots for scoring."""
+
+    def __init__(self, kv_cache: torch.Tensor, head_size: int, kv_cache_dtype: str, model_dtype: torch.dtype):
+        self.config = TurboQuantConfig.from_cache_dtype(kv_cache_dtype, head_size)
+        slots = kv_cache.view(torch.uint8)
+        _, H, N, S = slots.shape
+        if S != self.config.slot_size_aligned:
+            raise ValueError(f"{kv_cache_dtype} cache of head size {head_size}: slot of {S} bytes, expected "
+                             f"{self.config.slot_size_aligned}")
+        self.kv_cache, self.num_heads, self.page_size, self.head_dim = slots, H, N, head_size
+        self.dtype, self.device, self.model_dtype = slots.dtype, slots.device, model_dtype
+        self.centroids = get_centroids(head_size, self.config.centroid_bits).to(self.device, torch.float32)
+        self.rotation = _build_hadamard(head_size, str(self.device))   # orthonormal and symmetric
+        self.fp8_e4b15 = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9)
+
+    @property
+    def gathered_bytes(self) -> int:
+        return 2 * (self.stored_dim + self.head_dim * self.model_dtype.itemsize)
+
+    @staticmethod
+    def dequantize(caches: list["TurboQuantPagedCache"], keys: torch.Tensor, values: torch.Tensor,
+                   queries: torch.Tensor | None) -> tuple:
+        """Scoring's view of gathered slot halves [..., S/2] (bytes; `keys` the first half of each slot,
+        `values` the second): keys and values [..., D] in the model dtype. Queries are unchanged."""
+        first = caches[0]
+        key, value = decode_slots(torch.cat([keys, values], dim=-1), first.config, first.centroids,
+                                  first.rotation, first.fp8_e4b15)
+        return key.to(first.model_dtype), value.to(first.model_dtype), queries
+
+
+def decode_slots(slots: torch.Tensor, config: TurboQuantConfig, centroids: torch.Tensor, rotation: torch.Tensor,
+                 fp8_e4b15: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots [..., S] (uint8) -> keys, values [..., D] (float32), as vLLM's TurboQuant attention reads them.
+    centroids [2^bits] float32 (the preset's Lloyd-Max levels), rotation [D, D] (the Hadamard matrix / sqrt(D))."""
+    D = config.head_dim
+    if config.key_fp8:
+        raw = slots[..., :D].contiguous()
+        keys = _fp8_e4b15(raw) if fp8_e4b15 else raw.view(torch.float8_e4m3fn).float()
+    else:
+        mse_bytes = config.key_packed_size - 2
+        unit = centroids[_codes(slots, 0, config.key_mse_bits, D)]
+        if config.norm_correction:
+            unit = unit * torch.rsqrt((unit * unit).sum(dim=-1, keepdim=True) + 1e-16)
+        keys = (_fp16(slots, mse_bytes) * unit) @ rotation
+    start = config.key_packed_size
+    data_bytes = config.value_packed_size - 4
+    codes = _codes(slots, start, config.value_quant_bits, D).float()
+    values = codes * _fp16(slots, start + data_bytes) + _fp16(slots, start + data_bytes + 2)
+    return keys, values
+
+
+def _codes(slots: torch.Tensor, start: int, bits: int, count: int) -> torch.Tensor:
+    """`count` codes of `bits` bits from byte `start` of each slot (coordinate i at bit i*bits, little-endian)."""
+    bit = torch.arange(count, device=slots.device) * bits
+    byte = start + bit // 8
+    pair = slots[..., byte].to(torch.int32) | (slots[..., byte + 1].to(torch.int32) << 8)
+    return (pair >> (bit % 8)) & ((1 << bits) - 1)
+
+
+def _fp16(slots: torch.Tensor, start: int) -> torch.Tensor:
+    """The little-endian fp16 at byte `start` of each slot, [..., 1] float32."""
+    return slots[..., start: start + 2].contiguous().view(torch.float16).float()
+
+
+def _fp8_e4b15(raw: torch.Tensor) -> torch.Tensor:
+    """Triton's fp8e4b15 (exponent bias 15, no infinities or NaN), the keys of k8v4 below SM 8.9."""
+    bits = raw.to(torch.int32)
+    exponent, mantissa = (bits >> 3) & 0xF, (bits & 0x7).float()
+    magnitude = torch.where(exponent > 0, (8 + mantissa) * torch.exp2(exponent.float() - 18),
+                            mantissa * 2.0 ** -17)
+    return torch.where(bits >= 128, -magnitude, magnitude)
+
+
+def store(kv_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor,
+          cache_dtype: str) -> None:
+    """Write keys/values [n, H, D] at slot_mapping [n] of a TurboQuant cache [num_blocks, H, N, S] with vLLM's
+    own store kernel, as its attention layer does (the warm-up's scratch caches, the tests)."""
+    from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
+
+    config = TurboQuantConfig.from_cache_dtype(cache_dtype, keys.shape[-1])
+    rotation = _build_hadamard(keys.shape[-1], str(keys.device))
+    levels, _ = get_centroids(keys.shape[-1], config.centroid_bits).to(keys.device, torch.float32).sort()
+    triton_turboquant_store(keys, values, kv_cache.transpose(1, 2), slot_mapping, rotation,
+                            (levels[:-1] + levels[1:]) / 2, mse_bits=config.key_mse_bits,
+                            key_packed_size=config.key_packed_size, value_quant_bits=config.value_quant_bits,
+                            key_fp8=config.key_fp8)
+
+
+class EvictTurboQuantAttentionImpl(EvictionAttentionMixin, TurboQuantAttentionImpl):
+    backend_name = "TURBOQUANT"
+    kv_sharing_target_layer_name = None  # vLLM's TurboQuant impl keeps no KV sharing
+
+    def _paged_cache(self, layer, kv_cache) -> HndPagedCache:
+        return TurboQuantPagedCache(kv_cache, self.head_size, self.kv_cache_dtype, self.model_dtype)
+
+    def _stock_attention(self, layer, query, key, value, kv_cache, md, output) -> None:
+        TurboQuantAttentionImpl.forward(self, layer, query, key, value, kv_cache, md, output)
+
+
+class EvictTurboQuantMetadataBuilder(EvictionMetadataBuilderMixin, TurboQuantMetadataBuilder):
+    """The decode steps that record window queries or compact replay vLLM's attention in FULL graphs that
+    also stage every layer's queries (step.StagedDecodeBatch). vLLM's TurboQuant prefill reads each row's
+    cached length off the host copy of seq_lens: a compacted row's is lowered by its shift here (the device
+    copy the worker already lowered)."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        full = vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs()
+        self.per_head_decode = decode_graph_tables(kv_cache_spec, layer_names, vllm_config, device, full,
+                                                   vllm_config.model_config.dtype, per_head=False)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        plan, cm = BUILD.plan, common_attn_metadata
+        if plan is not None and plan.row_shift is not None and plan.row_shift.any() \
+                and cm.seq_lens_cpu_upper_bound is not None:
+            upper = cm.seq_lens_cpu_upper_bound.clone()
+            upper[: plan.num_reqs] -= torch.from_numpy(plan.row_shift).to(upper.dtype)
+            cm = dataclasses.replace(cm, seq_lens_cpu_upper_bound=upper)
+        return super().build(common_prefix_len, cm, fast_build)
+
+
+class EvictTurboQuantAttentionBackend(TurboQuantAttentionBackend):
+    @staticmethod
+    def get_impl_cls():
+        return EvictTurboQuantAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return EvictTurboQuantMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        # vLLM's V1 runner (the one eviction hooks) asks for the "auto" shape of a TurboQuant layer: its spec
+        # carries no quantization mode. This backend serves the engine's TurboQuant dtype alone.
+        if not is_turboquant(cache_dtype_str):
+            cache_dtype_str = get_current_vllm_config().cache_config.cache_dtype
+        return TurboQuantAttentionBackend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size,
+                                                             cache_dtype_str)
