@@ -728,6 +728,8 @@ SUITES = {"latency": suite_latency, "load": suite_load, "capacity": suite_capaci
 def run_one(args) -> dict:
     if args.engine == "vanilla":
         os.environ["VLLM_PLUGINS"] = "none"  # load no general plugins at all: stock vLLM
+        if args.kv_cache_dtype.startswith("turboquant_"):  # vLLM's V1 runner cannot shape a TurboQuant cache:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)  # vLLM's own choice of runner
     engine, start_s = make_engine(args)
     deadline = time.time() + args.time_limit  # for the measurements: a slow engine start cuts none short
     import torch

@@ -79,7 +79,7 @@ def step_plan(attn_metadata):  # -> step.StepPlan | None
 
 
 def decode_graph_tables(kv_cache_spec, layer_names, vllm_config, device, full_graphs: bool,
-                        query_dtype: torch.dtype, per_head: bool):  # -> per_head.DecodeGraphTables | None
+                        query_dtype: torch.dtype, per_head_path: bool):  # -> per_head.DecodeGraphTables | None
     """The persistent tables of the eviction's FULL decode graphs (runner_hooks.py), for the evicted KV
     cache group's builder when vLLM captures FULL graphs of one token per row (no speculative decoding);
     None for the other groups of a hybrid model (they replay stock attention). A backend without per-head
@@ -95,7 +95,7 @@ def decode_graph_tables(kv_cache_spec, layer_names, vllm_config, device, full_gr
         num_layers=max(extract_layer_index(name) for name in BUILD.evicted_layers) + 1,
         max_rows=min(vllm_config.scheduler_config.max_num_seqs,
                      vllm_config.compilation_config.max_cudagraph_capture_size),
-        num_heads=kv_cache_spec.num_kv_heads, max_pages=-(-model.max_model_len // page) + 1 if per_head else 1,
+        num_heads=kv_cache_spec.num_kv_heads, max_pages=-(-model.max_model_len // page) + 1 if per_head_path else 1,
         page_size=page, device=device, num_q_heads=model.get_num_attention_heads(vllm_config.parallel_config),
         head_dim=kv_cache_spec.head_size, dtype=query_dtype, queries=BUILD.staged_queries)
     BUILD.staged_queries = tables.queries

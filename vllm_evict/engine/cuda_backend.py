@@ -202,7 +202,7 @@ class EvictFlashAttentionMetadataBuilder(EvictionMetadataBuilderMixin, FlashAtte
         self.per_head_decode = decode_graph_tables(
             kv_cache_spec, layer_names, vllm_config, device, self.use_full_cuda_graph,
             query_dtype(vllm_config.cache_config.cache_dtype, vllm_config.model_config.dtype),
-            per_head=per_head_attention(vllm_config))  # not beside TurboQuant's layers (its boundary layers)
+            per_head_path=per_head_attention(vllm_config))  # not beside TurboQuant's layers (its boundary layers)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)

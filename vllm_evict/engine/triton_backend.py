@@ -107,7 +107,7 @@ class EvictTritonAttentionMetadataBuilder(EvictionMetadataBuilderMixin, TritonAt
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.per_head_decode = decode_graph_tables(  # queries stay unquantized on the caches it evicts
             kv_cache_spec, layer_names, vllm_config, device, self.decode_cudagraph_enabled,
-            vllm_config.model_config.dtype, per_head=False)
+            vllm_config.model_config.dtype, per_head_path=False)
 
 
 class EvictTritonAttentionBackend(TritonAttentionBackend):

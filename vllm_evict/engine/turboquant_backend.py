@@ -156,7 +156,7 @@ class EvictTurboQuantMetadataBuilder(EvictionMetadataBuilderMixin, TurboQuantMet
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         full = vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs()
         self.per_head_decode = decode_graph_tables(kv_cache_spec, layer_names, vllm_config, device, full,
-                                                   vllm_config.model_config.dtype, per_head=False)
+                                                   vllm_config.model_config.dtype, per_head_path=False)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         plan, cm = BUILD.plan, common_attn_metadata

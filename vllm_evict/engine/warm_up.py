@@ -53,17 +53,17 @@ def scratch_cache(cache_dtype: str, num_blocks: int, num_kv_heads: int, page: in
     """A layer's KV cache as vLLM lays it out for `cache_dtype` (HND), holding finite values: random ones of
     the model dtype, their fp8 bytes, per-token-head data with a scale of 1/64 after each half, or random
     keys and values written by vLLM's TurboQuant store."""
-    if not is_quantized_kv_cache(cache_dtype):
-        return torch.randn(num_blocks, num_kv_heads, page, 2 * head_dim, generator=gen, device=device).to(dtype)
     from vllm_evict.engine.turboquant_backend import EvictTurboQuantAttentionBackend, is_turboquant, store
 
-    if is_turboquant(cache_dtype):
+    if is_turboquant(cache_dtype):  # (not a "quantized" cache to vLLM's is_quantized_kv_cache)
         shape = EvictTurboQuantAttentionBackend.get_kv_cache_shape(num_blocks, page, num_kv_heads, head_dim,
                                                                    cache_dtype)
         cache = torch.zeros(shape, dtype=torch.uint8, device=device)
         keys, values = torch.randn(2, num_blocks * page, num_kv_heads, head_dim, generator=gen, device=device)
         store(cache, keys.to(dtype), values.to(dtype), torch.arange(num_blocks * page, device=device), cache_dtype)
         return cache
+    if not is_quantized_kv_cache(cache_dtype):
+        return torch.randn(num_blocks, num_kv_heads, page, 2 * head_dim, generator=gen, device=device).to(dtype)
     from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
     from vllm.v1.kv_cache_interface import kv_cache_uses_per_token_head_scales
 
