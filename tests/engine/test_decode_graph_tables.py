@@ -128,3 +128,39 @@ def test_ordered_decode_attention_on_gpu(cache_dtype):
                                  lens[order].to(dev), table[order].to(dev), int(lens.max()), out, dim ** -0.5, 0.0,
                                  num_splits=num_splits)
         torch.testing.assert_close(out, natural, rtol=1e-2, atol=1e-2)
+
+
+def test_the_evicted_groups_builders_share_one_query_stage(monkeypatch):
+    """A TurboQuant model's evicted KV cache group has two metadata builders (TurboQuant's, FlashAttention's
+    for the boundary layers): their tables stage every evicted layer's queries in one buffer, which the worker
+    reads after a staged graph; a later engine's builders get a buffer of their own. (Tables only: their
+    kernels are not run here.)"""
+    from types import SimpleNamespace
+
+    from vllm_evict.engine import attention
+    from vllm_evict.engine.per_head import DecodeGraphTables
+    from vllm_evict.engine.step import BUILD
+
+    monkeypatch.setattr(DecodeGraphTables, "layer", lambda *args: None)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    monkeypatch.setattr(BUILD, "evicted_layers", frozenset(names))
+    monkeypatch.setattr(BUILD, "staged_queries", None)
+    config = SimpleNamespace(
+        num_speculative_tokens=0, scheduler_config=SimpleNamespace(max_num_seqs=8),
+        compilation_config=SimpleNamespace(max_cudagraph_capture_size=4),
+        model_config=SimpleNamespace(max_model_len=64, get_num_attention_heads=lambda parallel: 4),
+        parallel_config=None)
+    spec = SimpleNamespace(block_size=16, num_kv_heads=2, head_size=8)
+
+    def tables(layers, per_head_path):
+        return attention.decode_graph_tables(spec, [names[i] for i in layers], config, torch.device("cpu"), True,
+                                             torch.float32, per_head_path)
+
+    boundary, quantized = tables([0, 3], per_head_path=False), tables([1, 2], per_head_path=False)
+    assert boundary.queries is quantized.queries and tuple(boundary.queries.shape) == (4, 4, 4, 8)
+    assert boundary.max_pages == 1
+    monkeypatch.setattr(BUILD, "staged_queries", None)  # set_kv_cache_groups: the next engine's
+    per_head = tables([0, 1, 2, 3], per_head_path=True)
+    assert per_head.queries is not quantized.queries and per_head.max_pages == 64 // 16 + 1
+    assert tables([0], per_head_path=False) is not None and attention.decode_graph_tables(
+        spec, ["model.layers.9.mlp"], config, torch.device("cpu"), True, torch.float32, False) is None

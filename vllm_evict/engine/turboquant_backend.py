@@ -64,7 +64,10 @@ class TurboQuantPagedCache(HndPagedCache):
 
     @property
     def gathered_bytes(self) -> int:
-        return 2 * (self.stored_dim + self.head_dim * self.model_dtype.itemsize)
+        """Bytes of one token and head in compaction: its slot, and what decoding it holds at once (int32 codes
+        and float32 keys and values of head_dim elements, about 28 bytes an element at the peak; the decoded
+        copy in the model dtype)."""
+        return 2 * self.stored_dim + self.head_dim * (32 + 2 * self.model_dtype.itemsize)
 
     @staticmethod
     def dequantize(caches: list["TurboQuantPagedCache"], keys: torch.Tensor, values: torch.Tensor,
