@@ -174,6 +174,21 @@ def check_compaction(policy, layers, before, decoded, prompt_blocks, fresh, tol,
         assert torch.equal(rows[dest[moved]], before[i].view(-1, rows.shape[-1])[source])  # whole slots
 
 
+def test_prefill_rows_with_cached_kv_are_found():
+    """The batches in which vLLM's TurboQuant prefill must take its per-row path (EvictTurboQuantMetadataBuilder):
+    a prefill row whose sequence is longer than its queries. Decode rows (one query) read the cache anyway."""
+    from vllm_evict.engine.turboquant_backend import reads_cached_kv
+
+    def batch(*rows):  # (queries, sequence) per row
+        starts = torch.tensor([0, *torch.tensor([q for q, _ in rows]).cumsum(0).tolist()])
+        return starts, torch.tensor([s for _, s in rows] + [0])  # seq_lens may be longer than the batch (padded)
+
+    assert not reads_cached_kv(*batch((600, 600), (128, 128)))           # fresh prompts only
+    assert not reads_cached_kv(*batch((1, 700), (1, 90), (600, 600)))    # decodes beside a fresh prompt
+    assert reads_cached_kv(*batch((600, 600), (40, 600)))                # a prefix-cache hit beside a fresh prompt
+    assert reads_cached_kv(*batch((1, 700), (128, 256)))                 # a prompt's second chunk
+
+
 def test_turboquant_caches_in_the_interpreter():
     check_in_interpreter("tests.engine.test_turboquant_cache", seeds=1, vllm_kernels=True)
 

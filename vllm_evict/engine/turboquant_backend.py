@@ -153,7 +153,14 @@ class EvictTurboQuantMetadataBuilder(EvictionMetadataBuilderMixin, TurboQuantMet
     """The decode steps that record window queries or compact replay vLLM's attention in FULL graphs that
     also stage every layer's queries (step.StagedDecodeBatch). vLLM's TurboQuant prefill reads each row's
     cached length off the host copy of seq_lens: a compacted row's is lowered by its shift here (the device
-    copy the worker already lowered)."""
+    copy the worker already lowered).
+
+    vLLM 0.26's TurboQuant prefill runs one FlashAttention call over the new tokens alone whenever the
+    batch's longest query equals its longest sequence, taken to mean that no row has cached KV. A batch that
+    holds a fresh prompt and a row with cached KV (a prefix-cache hit, a later chunk, a block-wise compacted
+    prompt), the fresh one the longest, breaks that: the other row loses its cache. Here max_query_len (an
+    upper bound) is raised by one when a prefill row has cached KV, so that such rows take vLLM's per-row
+    path, which reads their cache (`reads_cached_kv`)."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -168,7 +175,18 @@ class EvictTurboQuantMetadataBuilder(EvictionMetadataBuilderMixin, TurboQuantMet
             upper = cm.seq_lens_cpu_upper_bound.clone()
             upper[: plan.num_reqs] -= torch.from_numpy(plan.row_shift).to(upper.dtype)
             cm = dataclasses.replace(cm, seq_lens_cpu_upper_bound=upper)
-        return super().build(common_prefix_len, cm, fast_build)
+        md = super().build(common_prefix_len, cm, fast_build)
+        if cm.seq_lens_cpu_upper_bound is not None and reads_cached_kv(cm.query_start_loc_cpu,
+                                                                       cm.seq_lens_cpu_upper_bound):
+            md.max_query_len = cm.max_query_len + 1
+        return md
+
+
+def reads_cached_kv(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> bool:
+    """Whether a prefill row (more than one query) of the batch attends to KV cached before this step
+    (query_start_loc [B + 1] and seq_lens [B], on the host; seq_lens exact for prefill rows)."""
+    queries = query_start_loc[1:] - query_start_loc[:-1]
+    return bool(((queries > 1) & (seq_lens[: queries.shape[0]] > queries)).any())
 
 
 class EvictTurboQuantAttentionBackend(TurboQuantAttentionBackend):
