@@ -39,7 +39,9 @@ def attention_backend(kv_cache_dtype: str) -> str | None:
     model dtype (engine/turboquant_backend.py); FlashAttention for every other."""
     from vllm.v1.kv_cache_interface import kv_cache_uses_per_token_head_scales
 
-    if kv_cache_dtype.startswith("turboquant_"):
+    from vllm_evict.engine.layout import is_turboquant
+
+    if is_turboquant(kv_cache_dtype):
         return None
     return "TRITON_ATTN" if kv_cache_uses_per_token_head_scales(kv_cache_dtype) else "FLASH_ATTN"
 

@@ -26,6 +26,7 @@ import inspect
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention.attention import get_attention_context
+from vllm.model_executor.layers.quantization.turboquant.config import TQ_PRESETS
 from vllm.model_executor.models.utils import extract_layer_index
 
 from vllm_evict.engine import per_head
@@ -38,8 +39,7 @@ from vllm_evict.engine.step import BUILD, PerHeadDecodeBatch, StagedDecodeBatch,
 # platforms evict model-dtype caches only.
 QUANTIZED_CACHE_DTYPES = {"FLASH_ATTN": ("fp8", "fp8_e4m3"),
                           "TRITON_ATTN": ("int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"),
-                          "TURBOQUANT": ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
-                                         "turboquant_3bit_nc")}
+                          "TURBOQUANT": tuple(TQ_PRESETS)}
 MODEL_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 

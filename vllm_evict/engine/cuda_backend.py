@@ -28,7 +28,7 @@ from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, reshape_
 
 from vllm_evict.engine.attention import EvictionAttentionMixin, EvictionMetadataBuilderMixin, decode_graph_tables
 from vllm_evict.engine.hnd_cache import HndPagedCache
-from vllm_evict.engine.layout import per_head_attention
+from vllm_evict.engine.layout import is_turboquant, per_head_attention
 from vllm_evict.engine.per_head import DecodeGraphTables
 
 
@@ -187,7 +187,7 @@ def query_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     from vllm.v1.attention.backends.fa_utils import flash_attn_supports_quant_query_input
 
     if is_quantized_kv_cache(cache_dtype) and not kv_cache_uses_per_token_head_scales(cache_dtype) \
-            and not cache_dtype.startswith("turboquant_") and flash_attn_supports_quant_query_input():
+            and not is_turboquant(cache_dtype) and flash_attn_supports_quant_query_input():
         return current_platform.fp8_dtype()
     return model_dtype
 
@@ -202,7 +202,8 @@ class EvictFlashAttentionMetadataBuilder(EvictionMetadataBuilderMixin, FlashAtte
         self.per_head_decode = decode_graph_tables(
             kv_cache_spec, layer_names, vllm_config, device, self.use_full_cuda_graph,
             query_dtype(vllm_config.cache_config.cache_dtype, vllm_config.model_config.dtype),
-            per_head_path=per_head_attention(vllm_config))  # not beside TurboQuant's layers (its boundary layers)
+            per_head_path=per_head_attention(vllm_config))  # none where the engine's backend has none
+                                                            # (a TurboQuant model's boundary layers)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)

@@ -83,13 +83,20 @@ def per_head_attention(vllm_config) -> bool:
     return stock_layout_backend(vllm_config) is None
 
 
+def is_turboquant(cache_dtype: str) -> bool:
+    """A TurboQuant KV cache dtype (vLLM's TURBOQUANT backend: one key/value slot per token and head)."""
+    from vllm.model_executor.layers.quantization.turboquant.config import TQ_PRESETS
+
+    return str(cache_dtype) in TQ_PRESETS
+
+
 def stock_layout_backend(vllm_config) -> str | None:
     """The attention backend of this engine that evicts in the stock layout only, or None."""
     from vllm.v1.kv_cache_interface import kv_cache_uses_per_token_head_scales
 
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     backend = vllm_config.attention_config.backend
-    if cache_dtype.startswith("turboquant_"):
+    if is_turboquant(cache_dtype):
         return "TURBOQUANT"
     if kv_cache_uses_per_token_head_scales(cache_dtype) or (backend is not None and backend.name == "TRITON_ATTN"):
         return "TRITON_ATTN"

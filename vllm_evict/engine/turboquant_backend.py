@@ -28,7 +28,7 @@ import dataclasses
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
-from vllm.model_executor.layers.quantization.turboquant.config import TQ_PRESETS, TurboQuantConfig
+from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
 from vllm.v1.attention.backends.turboquant_attn import (
     TurboQuantAttentionBackend,
     TurboQuantAttentionImpl,
@@ -38,11 +38,8 @@ from vllm.v1.attention.backends.turboquant_attn import (
 
 from vllm_evict.engine.attention import EvictionAttentionMixin, EvictionMetadataBuilderMixin, decode_graph_tables
 from vllm_evict.engine.hnd_cache import HndPagedCache
+from vllm_evict.engine.layout import is_turboquant
 from vllm_evict.engine.step import BUILD
-
-
-def is_turboquant(cache_dtype: str) -> bool:
-    return str(cache_dtype) in TQ_PRESETS
 
 
 class TurboQuantPagedCache(HndPagedCache):

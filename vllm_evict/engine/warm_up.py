@@ -23,7 +23,8 @@ def warm_up_scoring(runner) -> None:
         return
     from vllm_evict.engine.cuda_backend import query_dtype
     from vllm_evict.engine.triton_backend import paged_cache
-    from vllm_evict.engine.turboquant_backend import TurboQuantPagedCache, is_turboquant
+    from vllm_evict.engine.layout import is_turboquant
+    from vllm_evict.engine.turboquant_backend import TurboQuantPagedCache
 
     model, parallel, cache_dtype = runner.model_config, runner.parallel_config, runner.cache_config.cache_dtype
     head_dim = model.get_head_size()
@@ -53,7 +54,8 @@ def scratch_cache(cache_dtype: str, num_blocks: int, num_kv_heads: int, page: in
     """A layer's KV cache as vLLM lays it out for `cache_dtype` (HND), holding finite values: random ones of
     the model dtype, their fp8 bytes, per-token-head data with a scale of 1/64 after each half, or random
     keys and values written by vLLM's TurboQuant store."""
-    from vllm_evict.engine.turboquant_backend import EvictTurboQuantAttentionBackend, is_turboquant, store
+    from vllm_evict.engine.layout import is_turboquant
+    from vllm_evict.engine.turboquant_backend import EvictTurboQuantAttentionBackend, store
 
     if is_turboquant(cache_dtype):  # (not a "quantized" cache to vLLM's is_quantized_kv_cache)
         shape = EvictTurboQuantAttentionBackend.get_kv_cache_shape(num_blocks, page, num_kv_heads, head_dim,
