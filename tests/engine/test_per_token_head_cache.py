@@ -108,28 +108,13 @@ def check(device: str, seed: int) -> None:
 
 
 def check_compaction(policy, layers, views, raw, prompt_blocks, fresh, tol, gen, device) -> None:
+    from tests.engine.recording import compact_recording
     from tests.policies.test_cuda import near_tie_ok
     from vllm_evict.engine import compaction
-    from vllm_evict.engine.request_config import RequestEviction
-    from vllm_evict.engine.request_state import WorkerEviction
-    from vllm_evict.policies import EvictionConfig, score_tokens, select_tokens
+    from vllm_evict.policies import score_tokens, select_tokens
 
-    config = EvictionConfig.from_dict({"policy": policy, "budget": P * N})
-    w, G = config.window_size(), 2
-    q_window = torch.randn(2, w, H * G, D, generator=gen).to(device) if w else None
-    seen, select_group = [], compaction.select_group
-
-    def recording(config, q_window, keys, values, *args, **kwargs):
-        keep, counts = select_group(config, q_window, keys, values, *args, **kwargs)
-        seen.append((keys, values, keep, counts))
-        return keep, counts
-
-    compaction.select_group = recording
-    try:
-        state = WorkerEviction.for_prompt("r", RequestEviction(config), E, N, q_window=q_window)
-        compaction.compact_request(state, layers, D ** -0.5, prompt_blocks, fresh)
-    finally:
-        compaction.select_group = select_group
+    config, q_window, seen = compact_recording(policy, layers, prompt_blocks, fresh, gen, tokens=E, page=N, pages=P,
+                                               heads=H, head_dim=D)
     (k_seen, v_seen, keep, counts), = seen
     keep, counts = keep.view(2, H, E), counts.view(2, H)
     for i, (impl, before) in enumerate(views):

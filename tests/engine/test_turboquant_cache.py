@@ -131,28 +131,13 @@ def check(device: str, seed: int) -> None:
 
 
 def check_compaction(policy, layers, before, decoded, prompt_blocks, fresh, tol, gen, device) -> None:
+    from tests.engine.recording import compact_recording
     from tests.policies.test_cuda import near_tie_ok
     from vllm_evict.engine import compaction
-    from vllm_evict.engine.request_config import RequestEviction
-    from vllm_evict.engine.request_state import WorkerEviction
-    from vllm_evict.policies import EvictionConfig, score_tokens, select_tokens
+    from vllm_evict.policies import score_tokens, select_tokens
 
-    config = EvictionConfig.from_dict({"policy": policy, "budget": P * N})
-    w, G = config.window_size(), 2
-    q_window = torch.randn(len(layers), w, H * G, D, generator=gen).to(device) if w else None
-    seen, select_group = [], compaction.select_group
-
-    def recording(config, q_window, keys, values, *args, **kwargs):
-        keep, counts = select_group(config, q_window, keys, values, *args, **kwargs)
-        seen.append((keys, values, keep, counts))
-        return keep, counts
-
-    compaction.select_group = recording
-    try:
-        state = WorkerEviction.for_prompt("r", RequestEviction(config), E, N, q_window=q_window)
-        compaction.compact_request(state, layers, D ** -0.5, prompt_blocks, fresh)
-    finally:
-        compaction.select_group = select_group
+    config, q_window, seen = compact_recording(policy, layers, prompt_blocks, fresh, gen, tokens=E, page=N, pages=P,
+                                               heads=H, head_dim=D)
     # one group per layout: the boundary layer, both TurboQuant layers, the other boundary layer
     assert [k.shape[1] for k, _, _, _ in seen] == [H, 2 * H, H]
     per_layer = [(k.view(E, -1, H, D)[:, g], v.view(E, -1, H, D)[:, g], keep.view(-1, H, E)[g])
