@@ -41,3 +41,24 @@ class HndPagedCache:
                      slots: torch.Tensor) -> None:
         """Write keys/values [n, G, H, W] to per-head slots [G, n, H] (-1 = skip) of G layers: one launch."""
         scatter_kept([c.kv_cache for c in caches], keys, values, slots)
+
+
+def paged_cache(kv_cache: torch.Tensor, head_size: int, kv_cache_dtype: str, model_dtype: torch.dtype, k_scale,
+                v_scale, q_scale) -> HndPagedCache:
+    """The compaction adapter of a CUDA layer cache, by its dtype: TurboQuant's, a per-token-head cache's, or
+    FLASH_ATTN's (a model-dtype or per-layer fp8 cache: k/v/q_scale are the layer's scales)."""
+    from vllm.v1.kv_cache_interface import kv_cache_uses_per_token_head_scales
+
+    from vllm_evict.engine.layout import is_turboquant
+
+    if is_turboquant(kv_cache_dtype):
+        from vllm_evict.engine.turboquant_backend import TurboQuantPagedCache
+
+        return TurboQuantPagedCache(kv_cache, head_size, kv_cache_dtype, model_dtype)
+    if kv_cache_uses_per_token_head_scales(kv_cache_dtype):
+        from vllm_evict.engine.triton_backend import PerTokenHeadPagedCache
+
+        return PerTokenHeadPagedCache(kv_cache, head_size, kv_cache_dtype, model_dtype)
+    from vllm_evict.engine.cuda_backend import CudaPagedCache
+
+    return CudaPagedCache(kv_cache, head_size, kv_cache_dtype, k_scale, v_scale, q_scale, model_dtype)

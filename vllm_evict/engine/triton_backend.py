@@ -24,10 +24,10 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionImpl,
     TritonAttentionMetadataBuilder,
 )
-from vllm.v1.kv_cache_interface import KVQuantMode, get_kv_quant_mode, kv_cache_uses_per_token_head_scales
+from vllm.v1.kv_cache_interface import KVQuantMode, get_kv_quant_mode
 
 from vllm_evict.engine.attention import EvictionAttentionMixin, EvictionMetadataBuilderMixin, decode_graph_tables
-from vllm_evict.engine.hnd_cache import HndPagedCache
+from vllm_evict.engine.hnd_cache import HndPagedCache, paged_cache
 
 SCALE_BYTES = 4  # one fp32 scale after each (token, head)'s K data and after its V data
 
@@ -75,17 +75,6 @@ def dequantize_halves(halves: torch.Tensor, mode: KVQuantMode, head_dim: int) ->
         rotated = (nibbles.float() - zero_point) * step
         return single_rht(rotated, inverse=True) / head_dim
     raise ValueError(f"not a per-token-head KV cache mode: {mode}")
-
-
-def paged_cache(kv_cache: torch.Tensor, head_size: int, kv_cache_dtype: str, model_dtype: torch.dtype, k_scale,
-                v_scale, q_scale) -> HndPagedCache:
-    """The compaction adapter of a CUDA layer cache: a per-token-head cache's, or FLASH_ATTN's (a model-dtype
-    or per-layer fp8 cache: k/v/q_scale are the layer's scales)."""
-    if kv_cache_uses_per_token_head_scales(kv_cache_dtype):
-        return PerTokenHeadPagedCache(kv_cache, head_size, kv_cache_dtype, model_dtype)
-    from vllm_evict.engine.cuda_backend import CudaPagedCache
-
-    return CudaPagedCache(kv_cache, head_size, kv_cache_dtype, k_scale, v_scale, q_scale, model_dtype)
 
 
 class EvictTritonAttentionImpl(EvictionAttentionMixin, TritonAttentionImpl):

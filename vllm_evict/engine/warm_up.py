@@ -22,17 +22,13 @@ def warm_up_scoring(runner) -> None:
     if runner.device.type != "cuda":
         return
     from vllm_evict.engine.cuda_backend import query_dtype
-    from vllm_evict.engine.triton_backend import paged_cache
-    from vllm_evict.engine.layout import is_turboquant
-    from vllm_evict.engine.turboquant_backend import TurboQuantPagedCache
+    from vllm_evict.engine.hnd_cache import paged_cache
 
     model, parallel, cache_dtype = runner.model_config, runner.parallel_config, runner.cache_config.cache_dtype
     head_dim = model.get_head_size()
     one = torch.ones((), dtype=torch.float32, device=runner.device)  # the layers' default k/v/q scales
 
     def make_cache(dtype: str):
-        if is_turboquant(dtype):
-            return lambda kv_cache: TurboQuantPagedCache(kv_cache, head_dim, dtype, model.dtype)
         return lambda kv_cache: paged_cache(kv_cache, head_dim, dtype, model.dtype, one, one, one)
 
     # layers vLLM keeps in the model dtype beside quantized ones (TurboQuant's boundary layers) compact too

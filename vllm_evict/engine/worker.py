@@ -291,14 +291,14 @@ class WorkerEvictionState:
         """Compact every request whose chunk ended at its point, all layers at once, requests of one batch
         key together (one timed span per batch, shared among its requests)."""
         layers, scale = self.attention_layers(runner)
-        cache = layers[0][1]
+        device = layers[0][1].device
         states = [plan.states[row] for row in plan.compacting]
-        token_head_bytes = max(layer_cache.gathered_bytes for _, layer_cache in layers)
-        for batch in compaction_batches(states, len(layers), cache.num_heads, token_head_bytes, self.group_bytes):
+        for batch in compaction_batches(states, len(layers), self.num_kv_heads, self.token_head_bytes,
+                                        self.group_bytes):
             for state in batch:
                 if state.window:
                     state.q_window = self.windows.window(state.window_offset, state.window)
-            started = self.latency.start(cache.device)
+            started = self.latency.start(device)
             try:
                 with torch.profiler.record_function("vllm_evict.compact"):  # a named range in torch profiles
                     used = compact_one(batch, layers, scale, self.heads, self.rotation, self.followers,
@@ -337,6 +337,8 @@ class WorkerEvictionState:
             self.rotation = future_rotation(runner.get_model(), impls[0].layer_name, layers[0][1].device)
             cache = layers[0][1]
             self.num_kv_heads = cache.num_heads
+            # the largest of a layer's gathered bytes per token and head (layouts may differ between layers)
+            self.token_head_bytes = max(layer_cache.gathered_bytes for _, layer_cache in layers)
             self.num_sms = (torch.cuda.get_device_properties(cache.device).multi_processor_count
                             if cache.device.type == "cuda" else 0)
         return self.layers[1:]
