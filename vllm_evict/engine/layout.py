@@ -37,7 +37,7 @@ def model_refusal(model_config, scheduler_config=None, speculative_config=None) 
     tells; the KV cache groups are checked again at engine start, `evicted_group`)."""
     if model_config is None:
         return None
-    reason = drafter_refusal(model_config, speculative_config)
+    reason = drafter_refusal(speculative_config)
     if reason is not None:
         return reason
     name = ", ".join(getattr(model_config.hf_config, "architectures", None) or []) or model_config.model
@@ -109,7 +109,7 @@ def drafts_with_kv_cache(speculative_config) -> bool:
     return speculative_config is not None and (speculative_config.use_eagle() or speculative_config.uses_draft_model())
 
 
-def drafter_refusal(model_config, speculative_config) -> str | None:
+def drafter_refusal(speculative_config) -> str | None:
     """Why eviction cannot run beside this drafter (None: it can, or there is none with a KV cache). Its layers
     keep the last target layer's tokens, and its later draft steps address them at shifted positions
     (runner_hooks.eagle_step): the padded drafter batch of one KV cache group only."""
@@ -121,9 +121,6 @@ def drafter_refusal(model_config, speculative_config) -> str | None:
     if speculative_config.disable_padded_drafter_batch:
         return ("a draft model with its own KV cache evicts with the padded drafter batch only "
                 "(drop disable_padded_drafter_batch)")
-    if getattr(model_config, "is_hybrid", False) or _has_window_layers(model_config.hf_text_config):
-        return ("a draft model with its own KV cache is not supported with eviction on a model with "
-                "sliding-window or linear-attention layers in this version")
     return None
 
 

@@ -5,7 +5,7 @@
 - `_prepare_inputs`: build the StepPlan for this batch (row order is final here) and shift the
   compacted rows' attention lengths and KV slots;
 - `_build_attention_metadata`: the plan is what the metadata builders read while vLLM builds the step's
-  metadata (step.BUILD);
+  metadata (step.BUILD); on a hybrid model the drafter's metadata gets the compacted rows' physical lengths;
 - `_model_forward`: after the forward, compact the requests that reached their eviction point, all
   layers at once (compaction.compact_requests);
 - `execute_model`, `sample_tokens`: reports on the step's output; the plan is cleared when the step ends;
@@ -69,9 +69,10 @@ def install_runner_hooks() -> None:
     def _build_attention_metadata(self, *args, **kwargs):
         BUILD.plan = STATE.plan  # what the evicted group's metadata builder puts on its metadata
         try:
-            return orig_build_metadata(self, *args, **kwargs)
+            attn_metadata, draft_metadata = orig_build_metadata(self, *args, **kwargs)
         finally:
             BUILD.plan = None
+        return attn_metadata, STATE.draft_lengths(draft_metadata)
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
         STATE.set_kv_cache_groups(self, kv_cache_config)

@@ -284,8 +284,26 @@ class WorkerEvictionState:
         plan = self.sampling_plan
         if plan is None or plan.shift is None:
             return None
+        return self.shift_rows(plan, num_rows)
+
+    @staticmethod
+    def shift_rows(plan: StepPlan, num_rows: int) -> torch.Tensor:
+        """[num_rows] of plan.shift: rows past the plan's are not shifted."""
         shift = plan.shift[:num_rows]
-        return torch.nn.functional.pad(shift, (0, num_rows - shift.shape[0]))  # rows past the plan's: none
+        return torch.nn.functional.pad(shift, (0, num_rows - shift.shape[0]))
+
+    def draft_lengths(self, metadata):
+        """The drafter's common attention metadata of this step (vLLM's, or None), with seq_lens at the
+        compacted rows' physical lengths when its layers sit in a hybrid model's evicted group (followers):
+        there the runner's seq_lens stay semantic for the other groups (shift_positions), and the drafter
+        reads them, then raises them by one per draft step. A dense model's are lowered in place already."""
+        plan = self.plan
+        if metadata is None or plan is None or plan.shift is None or not self.followers or not self.group.hybrid:
+            return metadata
+        import dataclasses
+
+        shift = self.shift_rows(plan, metadata.seq_lens.shape[0])
+        return dataclasses.replace(metadata, seq_lens=metadata.seq_lens - shift.to(metadata.seq_lens.dtype))
 
     def compact(self, runner, plan: StepPlan) -> None:
         """Compact every request whose chunk ended at its point, all layers at once, requests of one batch

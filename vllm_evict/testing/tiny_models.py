@@ -188,6 +188,22 @@ def tiny_eagle_draft(target: str | Path) -> Path:
     return path
 
 
+def tiny_mtp_model(target: str | Path) -> Path:
+    """A tiny Qwen3-Next beside `target` whose config asks for one multi-token-prediction (MTP) layer, for vLLM's
+    speculative method "mtp" with `draft_load_config={"load_format": "dummy"}`: the target's weights (links),
+    and an MTP draft whose full-attention layer vLLM puts in the target's full-attention KV cache group."""
+    target = Path(target)
+    path = target / "mtp"
+    path.mkdir(exist_ok=True)
+    for item in target.iterdir():
+        if item.is_file() and item.name != "config.json" and not (path / item.name).exists():
+            (path / item.name).symlink_to(item)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
 def write_real_config(name: str, cache_dir: str | Path | None = None) -> Path:
     """Config + a tiny tokenizer of a real model, for `load_format="dummy"` runs at its real shape."""
     if name not in REAL_CONFIGS:

@@ -1,0 +1,137 @@
+"""Eviction beside a multi-token-prediction (MTP) draft on a linear-attention hybrid: tiny random Qwen3-Next
+(bf16, Gated DeltaNet and full attention) with one MTP layer of dummy weights and 2 draft tokens, on CPU.
+vLLM puts the MTP layer in the target's full-attention KV cache group, so it is compacted with it (its cache
+keeps the last target layer's tokens). The runner's seq_lens stay semantic for the DeltaNet groups, so the
+drafter's metadata gets the compacted rows' physical lengths of its own (DESIGN.md §4.8 g). Target tokens
+follow the reference by teacher forcing (tests/engine/hybrid.py). One engine for the module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine import hybrid
+from tests.engine.inprocess import inprocess_llm
+from tests.engine.test_eviction import params, random_prompt, scheduler_of
+
+pytestmark = pytest.mark.engine
+
+TARGET_LAYER, DRAFT_LAYER = "model.layers.3.self_attn.attn", "mtp.layers.0.self_attn.attn"
+
+
+def cases(page: int) -> list[dict]:
+    return [{"policy": "snapkv", "budget": 0.25}, {"policy": "keydiff", "budget": 0.5, "chunked": True,
+                                                  "chunk_budget": 0.5},
+            {"policy": "snapkv", "decode_budget": 3 * page, "decode_every": page}]
+
+
+@pytest.fixture(scope="module")
+def model():
+    from vllm_evict.testing.tiny_models import ensure_tiny_model, tiny_mtp_model
+
+    return tiny_mtp_model(ensure_tiny_model("qwen3-next"))
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    speculation = {"method": "mtp", "num_speculative_tokens": 2, "draft_load_config": {"load_format": "dummy"}}
+    with inprocess_llm(model, block_size=hybrid.PAGE, max_model_len=1024, max_num_batched_tokens=256,
+                       dtype="bfloat16", mamba_ssm_cache_dtype="float32", speculative_config=speculation) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return hybrid.reference_for(model, torch.bfloat16)
+
+
+def evicted_group(llm) -> int:
+    return scheduler_of(llm).kv_cache_manager.group.index
+
+
+def held(llm, req_id: str, layer: str, n: int) -> torch.Tensor:
+    """Keys [n, H, D] of the first n tokens a request's blocks of the evicted group hold in `layer`."""
+    from tests.engine.test_speculative_eagle import runner_of
+
+    manager = scheduler_of(llm).kv_cache_manager.coordinator.single_type_managers[evicted_group(llm)]
+    internal, = [key for key in manager.req_to_blocks if key.split("-")[0] == req_id]  # vLLM suffixes the ids
+    blocks = torch.tensor([b.block_id for b in manager.req_to_blocks[internal]])
+    attention = runner_of(llm).compilation_config.static_forward_context[layer]
+    return attention.impl._cached_paged_cache(attention, attention.kv_cache).gather_prefix(blocks, n)[0].float()
+
+
+def test_the_mtp_layer_is_compacted_with_the_full_attention_group(engine):
+    groups = scheduler_of(engine).kv_cache_config.kv_cache_groups
+    hybrid.check_only_full_attention_is_evicted(engine)
+    assert {TARGET_LAYER, DRAFT_LAYER} <= set(groups[evicted_group(engine)].layer_names)
+
+
+def test_tokens_follow_the_reference(engine, reference):
+    page = hybrid.page_of(engine)
+    prompt = random_prompt(21, 300)
+    max_tokens = 36 + 2 * (page - hybrid.PAGE)  # two decode points at least
+    requests = [None, *cases(page)]
+    outputs = engine.generate([{"prompt_token_ids": prompt}] * len(requests), [params(c, max_tokens) for c in requests])
+    plain = list(outputs[0].outputs[0].token_ids)
+    hybrid.check(outputs[0], lambda forced: reference.generate(prompt, max_tokens, forced=forced), False, "no eviction")
+    for case, out in zip(requests[1:], outputs[1:]):
+        hybrid.check(out, lambda forced: reference.replay(prompt, max_tokens, hybrid.spec_of(case), page_size=page,
+                                                          forced=forced), False, str(case), full=plain)
+        report = out.kv_transfer_params["vllm_evict"]
+        freed = report.get("decode_blocks_freed" if "decode_budget" in case else "blocks_freed", 0)
+        assert freed > 0, (case, report)
+    assert hybrid.idle(engine)
+
+
+def test_drafts_read_and_write_the_compacted_rows_physical_ends(engine, monkeypatch):
+    """A plain and an evicted request of one prompt. Every slot the drafter's later steps write is the
+    row's physical end by the lengths the drafter was given (semantic lengths point past a compacted row's
+    kept pages), and the MTP layer's cache keeps the positions the last target layer keeps: each kept row
+    of the evicted request is the plain request's row of the same position, in both layers."""
+    from vllm.v1.spec_decode import llm_base_proposer
+
+    from vllm_evict.engine.worker import STATE
+
+    hooked = llm_base_proposer.eagle_step_update_slot_mapping_and_metadata
+    writes = []
+
+    def recorded(positions_1d, block_table_tensor, seq_lens, block_size, max_model_len, out_clamped_positions,
+                 out_slot_mapping, input_batch_size=None):
+        hooked(positions_1d, block_table_tensor, seq_lens, block_size, max_model_len, out_clamped_positions,
+               out_slot_mapping, input_batch_size)
+        n = positions_1d.shape[0]
+        last = seq_lens[:n].long() - 1  # the new draft token, at the row's physical end
+        table = block_table_tensor[:n].long()
+        expected = table.gather(1, (last // block_size).unsqueeze(1)).squeeze(1) * block_size + last % block_size
+        shift = STATE.draft_shift(n)
+        writes.append((out_slot_mapping[:n].clone(), expected, 0 if shift is None else int(shift.count_nonzero())))
+
+    monkeypatch.setattr(llm_base_proposer, "eagle_step_update_slot_mapping_and_metadata", recorded)
+    llm = engine.llm_engine
+    page = hybrid.page_of(engine)
+    prompt = random_prompt(22, 4 * page + 12)
+    llm.add_request("evicted", {"prompt_token_ids": prompt}, params({"policy": "snapkv", "budget": 0.5}, 40))
+    llm.step()  # the whole prompt in one chunk: the drafter writes all of it in the compaction step
+    llm.add_request("plain", {"prompt_token_ids": prompt}, params(None, 40))
+    for _ in range(6):  # decode steps with drafts, the plain request prefilled beside them
+        llm.step()
+    assert writes and all(torch.equal(slots, expected) for slots, expected, _ in writes)
+    assert any(shifted for _, _, shifted in writes)  # the evicted request drafted after its compaction
+    kept = 2 * page  # every head keeps at least half the prompt: its first two pages are full
+    for layer in TARGET_LAYER, DRAFT_LAYER:
+        plain_rows, evicted_rows = held(engine, "plain", layer, len(prompt)), held(engine, "evicted", layer, kept)
+        distance = torch.cdist(evicted_rows.transpose(0, 1), plain_rows.transpose(0, 1))  # [H, kept, n]
+        values, indices = distance.topk(2, dim=-1, largest=False)
+        if layer == TARGET_LAYER:
+            positions = indices[..., 0]
+            assert (positions.diff(dim=-1) > 0).all() and (positions[:, -1] > kept).any()  # a strict subset
+        assert torch.equal(indices[..., 0], positions), layer
+        assert (values[..., 0] < 0.1 * values[..., 1]).all(), (layer, values[..., 0].max(), values[..., 1].min())
+    llm.abort_request(["plain", "evicted"])
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert hybrid.idle(engine)
+
+
+def test_aborted_requests_return_every_group_s_blocks(engine):
+    hybrid.check_aborts_leak_nothing(engine, cases=cases(hybrid.page_of(engine)))
