@@ -1,11 +1,14 @@
-"""Eviction beside a multi-token-prediction (MTP) draft on a linear-attention hybrid: tiny random Qwen3-Next
-(bf16, Gated DeltaNet and full attention) with one MTP layer of dummy weights and 2 draft tokens, on CPU.
-vLLM puts the MTP layer in the target's full-attention KV cache group, so it is compacted with it (its cache
-keeps the last target layer's tokens). The runner's seq_lens stay semantic for the DeltaNet groups, so the
-drafter's metadata gets the compacted rows' physical lengths of its own (DESIGN.md §4.8 g). Target tokens
-follow the reference by teacher forcing (tests/engine/hybrid.py). One engine for the module."""
+"""Eviction beside a speculative draft model on hybrid models, on CPU, with dummy draft weights and 2 draft
+tokens: tiny random Qwen3-Next (Gated DeltaNet and full attention) with one multi-token-prediction (MTP)
+layer, and a tiny GPT-OSS (sliding window and full attention, sinks) with a one-layer EAGLE3 draft, both in
+bf16. vLLM puts the draft's attention layer in the target's full-attention KV cache group, so it is compacted
+with it (its cache keeps the last target layer's tokens). The runner's seq_lens stay semantic for the other
+groups, so the drafter's metadata gets the compacted rows' physical lengths of its own (DESIGN.md §4.8 g).
+Target tokens follow the reference by teacher forcing (tests/engine/hybrid.py). One engine per model."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -16,27 +19,54 @@ from tests.engine.test_eviction import params, random_prompt, scheduler_of
 
 pytestmark = pytest.mark.engine
 
-TARGET_LAYER, DRAFT_LAYER = "model.layers.3.self_attn.attn", "mtp.layers.0.self_attn.attn"
+
+@dataclass(frozen=True)
+class Drafted:
+    kind: str              # tiny model kind
+    method: str            # vLLM's speculative method
+    target_layer: str      # the last target layer of the full-attention group
+    draft_layer: str
+    engine: tuple = ()     # engine arguments past the common ones
+
+    def speculation(self, model) -> dict:
+        from vllm_evict.testing.tiny_models import tiny_eagle3_draft
+
+        draft = {"model": str(tiny_eagle3_draft(model))} if self.method == "eagle3" else {}
+        return {"method": self.method, "num_speculative_tokens": 2, "draft_load_config": {"load_format": "dummy"},
+                **draft}
+
+
+MODELS = {
+    "qwen3-next-mtp": Drafted("qwen3-next", "mtp", "model.layers.3.self_attn.attn", "mtp.layers.0.self_attn.attn",
+                              (("mamba_ssm_cache_dtype", "float32"),)),
+    "gpt-oss-eagle3": Drafted("gpt-oss-6", "eagle3", "model.layers.5.attn.attn", "model.layers.6.self_attn.attn"),
+}
 
 
 def cases(page: int) -> list[dict]:
-    return [{"policy": "snapkv", "budget": 0.25}, {"policy": "keydiff", "budget": 0.5, "chunked": True,
+    return [{"policy": "snapkv", "budget": 0.5}, {"policy": "keydiff", "budget": 0.5, "chunked": True,
                                                   "chunk_budget": 0.5},
             {"policy": "snapkv", "decode_budget": 3 * page, "decode_every": page}]
 
 
+# GPT-OSS's engine runs with the slow suite (README's second test command): the default one keeps its time
+@pytest.fixture(scope="module", params=["qwen3-next-mtp", pytest.param("gpt-oss-eagle3", marks=pytest.mark.slow)])
+def drafted(request) -> Drafted:
+    return MODELS[request.param]
+
+
 @pytest.fixture(scope="module")
-def model():
+def model(drafted):
     from vllm_evict.testing.tiny_models import ensure_tiny_model, tiny_mtp_model
 
-    return tiny_mtp_model(ensure_tiny_model("qwen3-next"))
+    model = ensure_tiny_model(drafted.kind)
+    return tiny_mtp_model(model) if drafted.method == "mtp" else model
 
 
 @pytest.fixture(scope="module")
-def engine(model):
-    speculation = {"method": "mtp", "num_speculative_tokens": 2, "draft_load_config": {"load_format": "dummy"}}
+def engine(drafted, model):
     with inprocess_llm(model, block_size=hybrid.PAGE, max_model_len=1024, max_num_batched_tokens=256,
-                       dtype="bfloat16", mamba_ssm_cache_dtype="float32", speculative_config=speculation) as llm:
+                       dtype="bfloat16", speculative_config=drafted.speculation(model), **dict(drafted.engine)) as llm:
         yield llm
 
 
@@ -60,10 +90,10 @@ def held(llm, req_id: str, layer: str, n: int) -> torch.Tensor:
     return attention.impl._cached_paged_cache(attention, attention.kv_cache).gather_prefix(blocks, n)[0].float()
 
 
-def test_the_mtp_layer_is_compacted_with_the_full_attention_group(engine):
+def test_the_draft_layer_is_compacted_with_the_full_attention_group(engine, drafted):
     groups = scheduler_of(engine).kv_cache_config.kv_cache_groups
     hybrid.check_only_full_attention_is_evicted(engine)
-    assert {TARGET_LAYER, DRAFT_LAYER} <= set(groups[evicted_group(engine)].layer_names)
+    assert {drafted.target_layer, drafted.draft_layer} <= set(groups[evicted_group(engine)].layer_names)
 
 
 def test_tokens_follow_the_reference(engine, reference):
@@ -83,10 +113,10 @@ def test_tokens_follow_the_reference(engine, reference):
     assert hybrid.idle(engine)
 
 
-def test_drafts_read_and_write_the_compacted_rows_physical_ends(engine, monkeypatch):
+def test_drafts_read_and_write_the_compacted_rows_physical_ends(engine, drafted, monkeypatch):
     """A plain and an evicted request of one prompt. Every slot the drafter's later steps write is the
     row's physical end by the lengths the drafter was given (semantic lengths point past a compacted row's
-    kept pages), and the MTP layer's cache keeps the positions the last target layer keeps: each kept row
+    kept pages), and the draft layer's cache keeps the positions the last target layer keeps: each kept row
     of the evicted request is the plain request's row of the same position, in both layers."""
     from vllm.v1.spec_decode import llm_base_proposer
 
@@ -118,11 +148,11 @@ def test_drafts_read_and_write_the_compacted_rows_physical_ends(engine, monkeypa
     assert writes and all(torch.equal(slots, expected) for slots, expected, _ in writes)
     assert any(shifted for _, _, shifted in writes)  # the evicted request drafted after its compaction
     kept = 2 * page  # every head keeps at least half the prompt: its first two pages are full
-    for layer in TARGET_LAYER, DRAFT_LAYER:
+    for layer in drafted.target_layer, drafted.draft_layer:
         plain_rows, evicted_rows = held(engine, "plain", layer, len(prompt)), held(engine, "evicted", layer, kept)
         distance = torch.cdist(evicted_rows.transpose(0, 1), plain_rows.transpose(0, 1))  # [H, kept, n]
         values, indices = distance.topk(2, dim=-1, largest=False)
-        if layer == TARGET_LAYER:
+        if layer == drafted.target_layer:
             positions = indices[..., 0]
             assert (positions.diff(dim=-1) > 0).all() and (positions[:, -1] > kept).any()  # a strict subset
         assert torch.equal(indices[..., 0], positions), layer

@@ -4,11 +4,11 @@
 weights from a fixed seed) with a byte-level BPE tokenizer trained with `tokenizers` and a ChatML
 chat template. The hybrid kinds have the same attention heads: "gemma3" (two sliding-window layers of
 32 tokens to one full-attention layer, twice; float32), "gpt-oss" (sliding window 32 alternating with
-full attention, attention sinks, a 4-expert MoE) and "qwen3-next" (three Gated DeltaNet layers to one
-full-attention layer, a 4-expert MoE); the last two in bfloat16, the dtype vLLM's CPU kernels for sinks
-and Gated DeltaNet take. `write_real_config(NAME)` writes only config + tokenizer of a real model
-(REAL_CONFIGS: Llama-3.1-8B, Qwen2.5-7B, GPT-OSS-20B, Gemma-3-12B, Qwen3-Next-80B-A3B's layers with fewer
-experts) for `load_format="dummy"` runs.
+full attention, attention sinks, a 4-expert MoE; "gpt-oss-6" with three layers of each) and "qwen3-next"
+(three Gated DeltaNet layers to one full-attention layer, a 4-expert MoE); the GPT-OSS and Qwen3-Next kinds
+in bfloat16, the dtype vLLM's CPU kernels for sinks and Gated DeltaNet take. `write_real_config(NAME)`
+writes only config + tokenizer of a real model (REAL_CONFIGS: Llama-3.1-8B, Qwen2.5-7B, GPT-OSS-20B,
+Gemma-3-12B, Qwen3-Next-80B-A3B's layers with fewer experts) for `load_format="dummy"` runs.
 """
 
 from __future__ import annotations
@@ -37,13 +37,19 @@ TINY_SHAPES = {
     "gpt-oss": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=256, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=64, sliding_window=32, num_local_experts=4,
                     num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2),
+    # three of each: a speculative draft's full-attention layer (EAGLE3) joins the full-attention KV cache group,
+    # as on GPT-OSS-20B (12 + 13 layers); vLLM splits the layers of a type past 1.5x the other type's count
+    "gpt-oss-6": dict(num_hidden_layers=6, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, sliding_window=32, num_local_experts=4,
+                      num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 3),
     "qwen3-next": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
                        linear_key_head_dim=32, linear_value_head_dim=32, num_experts=4, num_experts_per_tok=2,
                        moe_intermediate_size=128, shared_expert_intermediate_size=128,
                        layer_types=["linear_attention"] * 3 + ["full_attention"]),
 }
-TINY_DTYPES = {"gpt-oss": "bfloat16", "qwen3-next": "bfloat16"}  # vLLM's CPU sinks and GDN run in bf16 only
+# vLLM's CPU sinks and Gated DeltaNet run in bf16 only
+TINY_DTYPES = {"gpt-oss": "bfloat16", "gpt-oss-6": "bfloat16", "qwen3-next": "bfloat16"}
 
 REAL_CONFIGS = {
     "llama-3.1-8b": dict(
@@ -136,7 +142,7 @@ def _config(kind: str, vocab_size: int, tok):
         return LlamaConfig(rope_theta=10000.0, **common)
     if kind == "gemma3":
         return Gemma3TextConfig(architectures=["Gemma3ForCausalLM"], **common)
-    if kind == "gpt-oss":
+    if kind.startswith("gpt-oss"):
         return GptOssConfig(architectures=["GptOssForCausalLM"], **common)
     if kind == "qwen3-next":
         return Qwen3NextConfig(architectures=["Qwen3NextForCausalLM"], **common)
@@ -185,6 +191,26 @@ def tiny_eagle_draft(target: str | Path) -> Path:
     cfg = json.loads((target / "config.json").read_text())
     cfg["num_hidden_layers"] = 1
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def tiny_eagle3_draft(target: str | Path) -> Path:
+    """The config of a one-layer EAGLE3 draft (Llama layer, the target's attention heads, reading three of the
+    target's hidden states) beside a tiny GPT-OSS, for vLLM's speculative method "eagle3" with
+    `draft_load_config={"load_format": "dummy"}`."""
+    target = Path(target)
+    path = target / "eagle3-draft"
+    path.mkdir(exist_ok=True)
+    cfg = json.loads((target / "config.json").read_text())
+    layers = cfg["num_hidden_layers"]
+    draft = {key: cfg[key] for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                       "vocab_size", "max_position_embeddings", "rms_norm_eps", "bos_token_id",
+                                       "eos_token_id")}
+    draft.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+                 intermediate_size=2 * cfg["hidden_size"], draft_vocab_size=cfg["vocab_size"], rope_theta=10000.0,
+                 torch_dtype=cfg.get("torch_dtype", "bfloat16"), tie_word_embeddings=False,
+                 eagle_aux_hidden_state_layer_ids=[1, layers // 2, layers - 2])
+    (path / "config.json").write_text(json.dumps(draft, indent=2))
     return path
 
 
