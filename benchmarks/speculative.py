@@ -1,11 +1,14 @@
 """Speculative decoding beside eviction on a GPU: one vllm-evict engine serving a real model's configuration
-with an EAGLE draft of one layer (both dummy weights), plain, one-shot evicting and decode-budget requests in
-one batch, all submitted at once. Checks that every request finishes without an error and prints the wall
-time, the output tokens per second and the drafts accepted. Dummy weights accept few drafts, so this checks
-the path (co-compaction of the draft's KV cache, asynchronous scheduling, CUDA graphs), not speculation's
-speed-up.
+with a draft of one layer (both dummy weights), plain, one-shot evicting and decode-budget requests in one
+batch, all submitted at once. Checks that every request finishes without an error and prints the wall time,
+the output tokens per second and the drafts accepted. Dummy weights accept few drafts, so this checks the
+path (co-compaction of the draft's KV cache, asynchronous scheduling, CUDA graphs), not speculation's
+speed-up. The draft (--method): an EAGLE layer of the target's shape, an EAGLE3 layer (GPT-OSS), or the
+model's own MTP layer (Qwen3-Next).
 
   python benchmarks/speculative.py --config llama-3.1-8b --batch 48 --prompt-len 8192 --max-tokens 512
+  python benchmarks/speculative.py --config gpt-oss-20b --method eagle3
+  python benchmarks/speculative.py --config qwen3-next-80b-a3b-64e --method mtp
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=8192)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--draft-tokens", type=int, default=3)
+    ap.add_argument("--method", default="eagle", choices=("eagle", "eagle3", "mtp"), help="vLLM's speculative method")
     ap.add_argument("--workdir", default="/tmp/vllm-evict-bench")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args()
@@ -35,11 +39,15 @@ def main() -> None:
 
     from vllm_evict.engine import eviction_report, engine_kwargs
     from vllm_evict.testing.engines import gpu_defaults
-    from vllm_evict.testing.tiny_models import tiny_eagle_draft, write_real_config
+    from vllm_evict.testing.tiny_models import tiny_eagle3_draft, tiny_eagle_draft, tiny_mtp_model, write_real_config
 
     model = write_real_config(args.config, Path(args.workdir))
-    speculation = {"method": "eagle", "model": str(tiny_eagle_draft(model)),
-                   "num_speculative_tokens": args.draft_tokens, "draft_load_config": {"load_format": "dummy"}}
+    speculation = {"method": args.method, "num_speculative_tokens": args.draft_tokens,
+                   "draft_load_config": {"load_format": "dummy"}}
+    if args.method == "mtp":  # the target's own checkpoint, its config asking for the MTP layer
+        model = tiny_mtp_model(model)
+    else:
+        speculation["model"] = str((tiny_eagle3_draft if args.method == "eagle3" else tiny_eagle_draft)(model))
     started = time.time()
     llm = LLM(**engine_kwargs(**gpu_defaults(), model=str(model), load_format="dummy", dtype="bfloat16",
                               gpu_memory_utilization=0.9, block_size=16, seed=0, disable_log_stats=False,

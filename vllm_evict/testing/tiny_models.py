@@ -196,8 +196,8 @@ def tiny_eagle_draft(target: str | Path) -> Path:
 
 def tiny_eagle3_draft(target: str | Path) -> Path:
     """The config of a one-layer EAGLE3 draft (Llama layer, the target's attention heads, reading three of the
-    target's hidden states) beside a tiny GPT-OSS, for vLLM's speculative method "eagle3" with
-    `draft_load_config={"load_format": "dummy"}`."""
+    target's hidden states) beside a GPT-OSS `target` (a tiny one, or a real config), for vLLM's speculative
+    method "eagle3" with `draft_load_config={"load_format": "dummy"}`."""
     target = Path(target)
     path = target / "eagle3-draft"
     path.mkdir(exist_ok=True)
@@ -215,9 +215,10 @@ def tiny_eagle3_draft(target: str | Path) -> Path:
 
 
 def tiny_mtp_model(target: str | Path) -> Path:
-    """A tiny Qwen3-Next beside `target` whose config asks for one multi-token-prediction (MTP) layer, for vLLM's
-    speculative method "mtp" with `draft_load_config={"load_format": "dummy"}`: the target's weights (links),
-    and an MTP draft whose full-attention layer vLLM puts in the target's full-attention KV cache group."""
+    """A Qwen3-Next `target` (a tiny one, or a real config) again beside it, its config asking for one
+    multi-token-prediction (MTP) layer, for vLLM's speculative method "mtp" with
+    `draft_load_config={"load_format": "dummy"}`: the target's files (links), and an MTP draft whose
+    full-attention layer vLLM puts in the target's full-attention KV cache group."""
     target = Path(target)
     path = target / "mtp"
     path.mkdir(exist_ok=True)
