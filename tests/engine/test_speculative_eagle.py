@@ -65,11 +65,12 @@ def test_tokens_follow_the_reference(engine, reference):
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 and not scheduler_of(engine).evictions
 
 
-def test_draft_cache_keeps_the_target_layers_tokens(engine, monkeypatch):
-    """A plain and an evicted request of one prompt: each kept token of the evicted request's last target
-    layer is found among the plain request's rows (its position), and the draft layer holds that position's
-    draft K/V there. Meanwhile every slot the drafter's later steps write is the row's last physical slot."""
+def record_draft_writes(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """Records, for each later draft step, the slots the drafter writes, the slots of its rows' physical ends by
+    the lengths it was given (the new draft token at seq_len - 1), and how many of its rows are shifted."""
     from vllm.v1.spec_decode import llm_base_proposer
+
+    from vllm_evict.engine.worker import STATE
 
     hooked = llm_base_proposer.eagle_step_update_slot_mapping_and_metadata
     writes = []
@@ -79,12 +80,21 @@ def test_draft_cache_keeps_the_target_layers_tokens(engine, monkeypatch):
         hooked(positions_1d, block_table_tensor, seq_lens, block_size, max_model_len, out_clamped_positions,
                out_slot_mapping, input_batch_size)
         n = positions_1d.shape[0]
-        last = seq_lens[:n].long() - 1  # the new draft token, at the row's physical end
+        last = seq_lens[:n].long() - 1
         table = block_table_tensor[:n].long()
         expected = table.gather(1, (last // block_size).unsqueeze(1)).squeeze(1) * block_size + last % block_size
-        writes.append((out_slot_mapping[:n].clone(), expected))
+        shift = STATE.draft_shift(n)
+        writes.append((out_slot_mapping[:n].clone(), expected, 0 if shift is None else int(shift.count_nonzero())))
 
     monkeypatch.setattr(llm_base_proposer, "eagle_step_update_slot_mapping_and_metadata", recorded)
+    return writes
+
+
+def test_draft_cache_keeps_the_target_layers_tokens(engine, monkeypatch):
+    """A plain and an evicted request of one prompt: each kept token of the evicted request's last target
+    layer is found among the plain request's rows (its position), and the draft layer holds that position's
+    draft K/V there. Meanwhile every slot the drafter's later steps write is the row's last physical slot."""
+    writes = record_draft_writes(monkeypatch)
     llm = engine.llm_engine
     prompt = random_prompt(12, 230)
     # alone in its first step, the whole prompt is one chunk: the drafter writes all of it in the compaction step
@@ -113,7 +123,7 @@ def test_draft_cache_keeps_the_target_layers_tokens(engine, monkeypatch):
         values, indices = distance.topk(2, dim=-1, largest=False)
         assert torch.equal(indices[..., 0], positions)
         assert (values[..., 0] < 0.01 * values[..., 1]).all(), (values[..., 0].max(), values[..., 1].min())
-    assert writes and all(torch.equal(slots, expected) for slots, expected in writes)
+    assert writes and all(torch.equal(slots, expected) for slots, expected, _ in writes)
     llm.abort_request(["plain", "evicted"])
     while llm.has_unfinished_requests():
         llm.step()

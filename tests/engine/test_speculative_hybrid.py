@@ -16,6 +16,7 @@ import torch
 from tests.engine import hybrid
 from tests.engine.inprocess import inprocess_llm
 from tests.engine.test_eviction import params, random_prompt, scheduler_of
+from tests.engine.test_speculative_eagle import record_draft_writes, runner_of
 
 pytestmark = pytest.mark.engine
 
@@ -81,8 +82,6 @@ def evicted_group(llm) -> int:
 
 def held(llm, req_id: str, layer: str, n: int) -> torch.Tensor:
     """Keys [n, H, D] of the first n tokens a request's blocks of the evicted group hold in `layer`."""
-    from tests.engine.test_speculative_eagle import runner_of
-
     manager = scheduler_of(llm).kv_cache_manager.coordinator.single_type_managers[evicted_group(llm)]
     internal, = [key for key in manager.req_to_blocks if key.split("-")[0] == req_id]  # vLLM suffixes the ids
     blocks = torch.tensor([b.block_id for b in manager.req_to_blocks[internal]])
@@ -118,25 +117,7 @@ def test_drafts_read_and_write_the_compacted_rows_physical_ends(engine, drafted,
     row's physical end by the lengths the drafter was given (semantic lengths point past a compacted row's
     kept pages), and the draft layer's cache keeps the positions the last target layer keeps: each kept row
     of the evicted request is the plain request's row of the same position, in both layers."""
-    from vllm.v1.spec_decode import llm_base_proposer
-
-    from vllm_evict.engine.worker import STATE
-
-    hooked = llm_base_proposer.eagle_step_update_slot_mapping_and_metadata
-    writes = []
-
-    def recorded(positions_1d, block_table_tensor, seq_lens, block_size, max_model_len, out_clamped_positions,
-                 out_slot_mapping, input_batch_size=None):
-        hooked(positions_1d, block_table_tensor, seq_lens, block_size, max_model_len, out_clamped_positions,
-               out_slot_mapping, input_batch_size)
-        n = positions_1d.shape[0]
-        last = seq_lens[:n].long() - 1  # the new draft token, at the row's physical end
-        table = block_table_tensor[:n].long()
-        expected = table.gather(1, (last // block_size).unsqueeze(1)).squeeze(1) * block_size + last % block_size
-        shift = STATE.draft_shift(n)
-        writes.append((out_slot_mapping[:n].clone(), expected, 0 if shift is None else int(shift.count_nonzero())))
-
-    monkeypatch.setattr(llm_base_proposer, "eagle_step_update_slot_mapping_and_metadata", recorded)
+    writes = record_draft_writes(monkeypatch)
     llm = engine.llm_engine
     page = hybrid.page_of(engine)
     prompt = random_prompt(22, 4 * page + 12)
