@@ -15,6 +15,8 @@ from tests.engine.test_eviction import check_against_reference, params, random_p
 pytestmark = pytest.mark.engine
 
 PAGE = 16
+# the last target layer and the draft's, numbered after the target's
+TARGET_LAYER, DRAFT_LAYER = "model.layers.2.self_attn.attn", "model.layers.3.self_attn.attn"
 CASES = [
     {"policy": "snapkv", "budget": 0.3},
     {"policy": "keydiff", "budget": 0.3, "chunked": True, "chunk_size": 64},
@@ -37,18 +39,18 @@ def runner_of(llm):
     return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 
 
-def layer_cache(llm, index: int):
-    """The paged cache adapter of attention layer `index` (3: the draft's, numbered after the target's 0-2)."""
-    layer = runner_of(llm).compilation_config.static_forward_context[f"model.layers.{index}.self_attn.attn"]
-    return layer.impl._cached_paged_cache(layer, layer.kv_cache)
+def layer_cache(llm, layer: str):
+    """The paged cache adapter of attention layer `layer`."""
+    attention = runner_of(llm).compilation_config.static_forward_context[layer]
+    return attention.impl._cached_paged_cache(attention, attention.kv_cache)
 
 
-def held(llm, req_id: str, index: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys, values [n, H, D] of the first n tokens a request's blocks hold in layer `index`."""
-    manager = scheduler_of(llm).kv_cache_manager.coordinator.single_type_managers[0]
+def held(llm, req_id: str, layer: str, n: int, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys, values [n, H, D] of the first n tokens a request's blocks of KV cache group `group` hold in `layer`."""
+    manager = scheduler_of(llm).kv_cache_manager.coordinator.single_type_managers[group]
     internal, = [key for key in manager.req_to_blocks if key.split("-")[0] == req_id]  # vLLM suffixes the ids
     blocks = torch.tensor([b.block_id for b in manager.req_to_blocks[internal]])
-    return layer_cache(llm, index).gather_prefix(blocks, n)
+    return layer_cache(llm, layer).gather_prefix(blocks, n)
 
 
 def test_tokens_follow_the_reference(engine, reference):
@@ -104,10 +106,10 @@ def test_draft_cache_keeps_the_target_layers_tokens(engine, monkeypatch):
     for _ in range(5):  # decode steps with drafts, the plain request prefilled beside them
         llm.step()
     kept = 112  # every head keeps at least 115 tokens of 230 (0.5): the first 7 pages are full
-    plain_target, _ = held(engine, "plain", 2, len(prompt))
-    evicted_target, _ = held(engine, "evicted", 2, kept)
-    plain_keys, plain_values = held(engine, "plain", 3, len(prompt))
-    draft_keys, draft_values = held(engine, "evicted", 3, kept)
+    plain_target, _ = held(engine, "plain", TARGET_LAYER, len(prompt))
+    evicted_target, _ = held(engine, "evicted", TARGET_LAYER, kept)
+    plain_keys, plain_values = held(engine, "plain", DRAFT_LAYER, len(prompt))
+    draft_keys, draft_values = held(engine, "evicted", DRAFT_LAYER, kept)
     # each kept row's position: the plain request's nearest row of the same head (same prompt, same weights;
     # the two prefills were chunked apart, so rows agree to float32 rounding, far closer than to any other)
     distance = torch.cdist(evicted_target.transpose(0, 1), plain_target.transpose(0, 1))  # [H, kept, n]

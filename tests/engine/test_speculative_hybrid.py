@@ -8,7 +8,7 @@ Target tokens follow the reference by teacher forcing (tests/engine/hybrid.py). 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ import torch
 from tests.engine import hybrid
 from tests.engine.inprocess import inprocess_llm
 from tests.engine.test_eviction import params, random_prompt, scheduler_of
-from tests.engine.test_speculative_eagle import record_draft_writes, runner_of
+from tests.engine.test_speculative_eagle import held, record_draft_writes
 
 pytestmark = pytest.mark.engine
 
@@ -27,7 +27,7 @@ class Drafted:
     method: str            # vLLM's speculative method
     target_layer: str      # the last target layer of the full-attention group
     draft_layer: str
-    engine: tuple = ()     # engine arguments past the common ones
+    engine: dict = field(default_factory=dict)  # engine arguments past the common ones
 
     def speculation(self, model) -> dict:
         from vllm_evict.testing.tiny_models import tiny_eagle3_draft
@@ -39,7 +39,7 @@ class Drafted:
 
 MODELS = {
     "qwen3-next-mtp": Drafted("qwen3-next", "mtp", "model.layers.3.self_attn.attn", "mtp.layers.0.self_attn.attn",
-                              (("mamba_ssm_cache_dtype", "float32"),)),
+                              {"mamba_ssm_cache_dtype": "float32"}),
     "gpt-oss-eagle3": Drafted("gpt-oss-6", "eagle3", "model.layers.5.attn.attn", "model.layers.6.self_attn.attn"),
 }
 
@@ -67,7 +67,7 @@ def model(drafted):
 @pytest.fixture(scope="module")
 def engine(drafted, model):
     with inprocess_llm(model, block_size=hybrid.PAGE, max_model_len=1024, max_num_batched_tokens=256,
-                       dtype="bfloat16", speculative_config=drafted.speculation(model), **dict(drafted.engine)) as llm:
+                       dtype="bfloat16", speculative_config=drafted.speculation(model), **drafted.engine) as llm:
         yield llm
 
 
@@ -78,15 +78,6 @@ def reference(model):
 
 def evicted_group(llm) -> int:
     return scheduler_of(llm).kv_cache_manager.group.index
-
-
-def held(llm, req_id: str, layer: str, n: int) -> torch.Tensor:
-    """Keys [n, H, D] of the first n tokens a request's blocks of the evicted group hold in `layer`."""
-    manager = scheduler_of(llm).kv_cache_manager.coordinator.single_type_managers[evicted_group(llm)]
-    internal, = [key for key in manager.req_to_blocks if key.split("-")[0] == req_id]  # vLLM suffixes the ids
-    blocks = torch.tensor([b.block_id for b in manager.req_to_blocks[internal]])
-    attention = runner_of(llm).compilation_config.static_forward_context[layer]
-    return attention.impl._cached_paged_cache(attention, attention.kv_cache).gather_prefix(blocks, n)[0].float()
 
 
 def test_the_draft_layer_is_compacted_with_the_full_attention_group(engine, drafted):
@@ -130,7 +121,9 @@ def test_drafts_read_and_write_the_compacted_rows_physical_ends(engine, drafted,
     assert any(shifted for _, _, shifted in writes)  # the evicted request drafted after its compaction
     kept = 2 * page  # every head keeps at least half the prompt: its first two pages are full
     for layer in drafted.target_layer, drafted.draft_layer:
-        plain_rows, evicted_rows = held(engine, "plain", layer, len(prompt)), held(engine, "evicted", layer, kept)
+        group = evicted_group(engine)
+        plain_rows = held(engine, "plain", layer, len(prompt), group)[0].float()
+        evicted_rows = held(engine, "evicted", layer, kept, group)[0].float()
         distance = torch.cdist(evicted_rows.transpose(0, 1), plain_rows.transpose(0, 1))  # [H, kept, n]
         values, indices = distance.topk(2, dim=-1, largest=False)
         if layer == drafted.target_layer:

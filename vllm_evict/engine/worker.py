@@ -5,6 +5,8 @@ step.py what a step evicts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
@@ -300,8 +302,6 @@ class WorkerEvictionState:
         plan = self.plan
         if metadata is None or plan is None or plan.shift is None or not self.followers or not self.group.hybrid:
             return metadata
-        import dataclasses
-
         shift = self.shift_rows(plan, metadata.seq_lens.shape[0])
         return dataclasses.replace(metadata, seq_lens=metadata.seq_lens - shift.to(metadata.seq_lens.dtype))
 
