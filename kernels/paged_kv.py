@@ -55,10 +55,22 @@ def _alignment(offsets: list[int]) -> int:
     return 16 if all(o % 16 == 0 for o in offsets) else 1
 
 
+_OFFSETS: dict[tuple, torch.Tensor] = {}
+
+
 def _offsets_tensor(offsets: list[int], device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return torch.tensor(offsets, dtype=torch.int64, device=device)
-    return torch.tensor(offsets, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+    """The offsets on the device, made once per layer list: the caches never move, so a launch (or a CUDA
+    graph that captured it) reads the same tensor. Made outside a capture only: a capture would record the
+    copy into it without running it."""
+    key = (tuple(offsets), device)
+    tensor = _OFFSETS.get(key)
+    if tensor is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the layer offsets of these caches were not made before the CUDA graph capture")
+        if len(_OFFSETS) >= 1024:  # caches of engines since gone
+            _OFFSETS.clear()
+        tensor = _OFFSETS[key] = torch.tensor(offsets, dtype=torch.int64).to(device)
+    return tensor
 
 
 @triton.jit

@@ -142,6 +142,10 @@ class LayerLayouts(MutableMapping):
         for i, index in enumerate(indices):
             self._entries[index] = (page_counts, kept, i)
 
+    def follow(self, other: "LayerLayouts") -> None:
+        """Record every layer's layout of `other` (a captured batch's, the same for all its requests)."""
+        self._entries.update(other._entries)
+
     def __setitem__(self, index: int, layout: LayerCompaction) -> None:
         self._entries[index] = (layout.page_counts[None], layout.kept[None], 0)
 
@@ -407,7 +411,22 @@ def group_layers(per_layer: torch.Tensor, group: list, dim: int) -> torch.Tensor
     indices = [index for index, _ in group]
     if indices == list(range(indices[0], indices[0] + len(indices))):
         return per_layer.narrow(dim, indices[0], len(indices))
-    return per_layer.index_select(dim, host_to_device(indices, per_layer.device))
+    return per_layer.index_select(dim, device_indices(tuple(indices), per_layer.device))
+
+
+_INDICES: dict[tuple, torch.Tensor] = {}
+
+
+def device_indices(indices: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int64 `indices` on the device, made once (outside any CUDA graph capture: compaction_graphs.py) and
+    kept, since the layer groups of a model repeat every step."""
+    key = (indices, device)
+    tensor = _INDICES.get(key)
+    if tensor is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("layer indices not made before the CUDA graph capture")
+        tensor = _INDICES[key] = torch.tensor(indices, dtype=torch.int64).to(device)
+    return tensor
 
 
 def _gather_heads(cache, group: list, requests: list[tuple], n: int) -> tuple:

@@ -33,6 +33,8 @@ from vllm_evict.engine.per_head import DecodeGraphTables
 
 
 class CudaPagedCache(HndPagedCache):
+    graphable = True  # its compaction captures in CUDA graphs (compaction_graphs.py)
+
     def __init__(self, kv_cache: torch.Tensor, head_size: int, kv_cache_dtype: str, k_scale, v_scale,
                  q_scale=None, model_dtype: torch.dtype | None = None):
         B, H, N, two_d = kv_cache.shape

@@ -13,6 +13,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 
 from vllm_evict.engine.compaction import GROUP_BYTES, KVHeadGroup, compact_requests, compaction_batches, group_bytes
+from vllm_evict.engine.compaction_graphs import CompactionGraphs
 from vllm_evict.engine.request_config import PLAN_KEY, parse_request
 from vllm_evict.engine.request_state import HostCopy, WorkerEviction
 from vllm_evict.engine.step import BUILD, Capture, StepPlan, staging_graph_step
@@ -45,6 +46,7 @@ class WorkerEvictionState:
         self.followers: dict[int, list] = {}     # a draft model's layers, keyed by the layer whose tokens they keep
         self.sampling_plan: StepPlan | None = None  # with a drafter: the step's plan until its drafts are proposed
         self.group_bytes = GROUP_BYTES           # gathered K/V of one compaction batch (size_batches)
+        self.graphs = CompactionGraphs(False)    # captured decode-point batches (set with `layers`)
 
     def size_batches(self, worker) -> None:
         """At engine start, once vLLM profiled the forward: the gathered K/V one compaction batch may hold."""
@@ -319,8 +321,11 @@ class WorkerEvictionState:
             started = self.latency.start(device)
             try:
                 with torch.profiler.record_function("vllm_evict.compact"):  # a named range in torch profiles
-                    used = compact_one(batch, layers, scale, self.heads, self.rotation, self.followers,
-                                       self.group_bytes)
+                    used = None
+                    if not self.graphs.run(batch, layers, scale, self.heads, self.rotation, self.followers,
+                                           self.group_bytes):
+                        used = compact_one(batch, layers, scale, self.heads, self.rotation, self.followers,
+                                           self.group_bytes)
                 if used is not None:
                     batch[0].used_blocks = HostCopy(used)
                 for state in batch:
@@ -359,6 +364,10 @@ class WorkerEvictionState:
             self.token_head_bytes = max(layer_cache.gathered_bytes for _, layer_cache in layers)
             self.num_sms = (torch.cuda.get_device_properties(cache.device).multi_processor_count
                             if cache.device.type == "cuda" else 0)
+            from vllm.config import CUDAGraphMode
+
+            eager = runner.vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+            self.graphs = CompactionGraphs(cache.device.type == "cuda" and not eager)
         return self.layers[1:]
 
     def end_step(self) -> None:
