@@ -6,6 +6,7 @@ step.py what a step evicts."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 from vllm.forward_context import get_forward_context
@@ -366,7 +367,8 @@ class WorkerEvictionState:
                             if cache.device.type == "cuda" else 0)
             from vllm.config import CUDAGraphMode
 
-            eager = runner.vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+            eager = (runner.vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+                     or os.environ.get("VLLM_EVICT_COMPACTION_GRAPHS", "1") == "0")
             self.graphs = CompactionGraphs(cache.device.type == "cuda" and not eager)
         return self.layers[1:]
 
