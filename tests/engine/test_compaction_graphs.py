@@ -1,26 +1,32 @@
-"""GPU: decode-point compactions replayed from CUDA graphs (vllm_evict/engine/compaction_graphs.py) leave the
-caches and layouts of eager compaction, byte for byte: the first batch of a kind runs eagerly, the second is
-captured, the third replays it on other blocks, other cache contents and other window queries. Kinds the
-graphs leave eager (Ada-KV) stay eager."""
+"""Decode-point compactions replayed from CUDA graphs (vllm_evict/engine/compaction_graphs.py) leave the caches
+and layouts of eager compaction, byte for byte: the first batch of a kind runs eagerly, the second is captured,
+the third replays it on other blocks, other cache contents and other window queries. Kinds the graphs leave
+eager (Ada-KV) stay eager.
+
+On the GPU through real CUDA graphs and the fused Triton scoring kernels; on the CPU through a stand-in graph
+that replays the captured call on the same static tensors (what a CUDA graph re-executes), which checks what
+the graphs read and record."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
 N, D, H, G, L, R = 16, 64, 2, 4, 3, 2
 PROMPT, DECODE_BUDGET, DECODE_EVERY = 100, 64, 32
+POLICIES = ["dropkv", "snapkv", "keydiff", "knorm"]
+ALLOCATIONS = ["uniform", "adakv"]
 
 
-def decode_batch(config, blocks: list[list[int]], seed: int):
+def decode_batch(config, blocks: list[list[int]], seed: int, device: str):
     """R requests at their second decode point (held K_d + C_d tokens, compacted in place), window queries
     drawn from `seed`."""
     from vllm_evict.engine.request_config import RequestEviction
     from vllm_evict.engine.request_state import WorkerEviction
 
-    generator = torch.Generator(device="cuda").manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
     batch = []
     for r, request_blocks in enumerate(blocks):
         spec = RequestEviction(config, decode_budget=DECODE_BUDGET, decode_every=DECODE_EVERY)
@@ -31,35 +37,26 @@ def decode_batch(config, blocks: list[list[int]], seed: int):
         state.prompt_block_ids = request_blocks[: -(-point.held // N)]
         state.fresh_blocks = request_blocks[: state.written_blocks]
         if state.window:
-            state.q_window = torch.randn(L, state.window, H * G, D, device="cuda", dtype=torch.bfloat16,
-                                         generator=generator)
+            state.q_window = torch.randn(L, state.window, H * G, D, device=device, generator=generator).to(
+                torch.bfloat16 if device == "cuda" else torch.float32)
         batch.append(state)
     return batch
 
 
-def make_layers(kv: list[torch.Tensor]):
-    from vllm_evict.engine.cuda_backend import CudaPagedCache
-
-    return [(i, CudaPagedCache(cache, D, "auto", 1.0, 1.0)) for i, cache in enumerate(kv)]
-
-
-@pytest.mark.parametrize("allocation", ["uniform", "adakv"])
-@pytest.mark.parametrize("policy", ["dropkv", "snapkv", "keydiff", "knorm"])
-def test_replayed_compactions_equal_eager_ones(monkeypatch, policy, allocation):
-    """Through the fused Triton scoring kernels the engine installs."""
-    from vllm_evict.engine.compaction import compact_requests
+def replays_equal_eager(policy: str, allocation: str, make_cache, device: str) -> list[bool]:
+    """Three batches compacted eagerly and through CompactionGraphs on equal caches: both leave the same cache
+    bytes and layouts after each. Returns whether each batch ran from a graph."""
+    from vllm_evict.engine.compaction import GROUP_BYTES, KVHeadGroup, compact_requests
     from vllm_evict.engine.compaction_graphs import CompactionGraphs
-    from vllm_evict.kernels.key_scores import key_scores
-    from vllm_evict.kernels.window_scores import window_scores
-    from vllm_evict.policies import EvictionConfig, base, window
+    from vllm_evict.policies import EvictionConfig
 
-    monkeypatch.setattr(window, "_RAW_KERNEL", window_scores)
-    monkeypatch.setattr(base, "_KEY_KERNEL", key_scores)
     torch.manual_seed(3)
     config = EvictionConfig.from_dict({"policy": policy, "allocation": allocation}, budget_required=False)
-    kv = [torch.randn(64, H, N, 2 * D, device="cuda").to(torch.bfloat16) for _ in range(L)]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    kv = [torch.randn(64, H, N, 2 * D, device=device).to(dtype) for _ in range(L)]
     eager_kv, graph_kv = [c.clone() for c in kv], [c.clone() for c in kv]
-    eager_layers, graph_layers = make_layers(eager_kv), make_layers(graph_kv)
+    eager_layers = [(i, make_cache(c)) for i, c in enumerate(eager_kv)]
+    graph_layers = [(i, make_cache(c)) for i, c in enumerate(graph_kv)]
     graphs = CompactionGraphs(True)
     blocks_per_request = -(-(DECODE_BUDGET + DECODE_EVERY) // N)
     ran = []
@@ -67,29 +64,74 @@ def test_replayed_compactions_equal_eager_ones(monkeypatch, policy, allocation):
         start = seed * R * blocks_per_request
         blocks = [list(range(start + r * blocks_per_request, start + (r + 1) * blocks_per_request))[::-1]
                   for r in range(R)]
-        eager, graphed = decode_batch(config, blocks, seed), decode_batch(config, blocks, seed)
+        eager, graphed = decode_batch(config, blocks, seed, device), decode_batch(config, blocks, seed, device)
 
         def requests(batch):
-            ids = lambda b: torch.tensor(b, device="cuda")  # noqa: E731
+            ids = lambda b: torch.tensor(b, device=device)  # noqa: E731
             return [(s, ids(s.prompt_block_ids), ids(s.fresh_blocks)) for s in batch]
 
         compact_requests(requests(eager), eager_layers, D ** -0.5)
-        replayed = graphs.run(graphed, graph_layers, D ** -0.5, *_defaults())
+        replayed = graphs.run(graphed, graph_layers, D ** -0.5, KVHeadGroup(), None, {}, GROUP_BYTES)
         if not replayed:
             compact_requests(requests(graphed), graph_layers, D ** -0.5)
         ran.append(replayed)
-        torch.cuda.synchronize()
         for i in range(L):
             assert torch.equal(graph_kv[i], eager_kv[i]), (seed, i)
             for e, g in zip(eager, graphed):
                 assert torch.equal(g.layers[i].page_counts, e.layers[i].page_counts)
                 assert torch.equal(g.layers[i].kept, e.layers[i].kept)
-    assert ran == ([False, True, True] if allocation == "uniform" else [False] * 3)
     assert not torch.equal(graph_kv[0], kv[0])  # the batches moved tokens
+    return ran
 
 
-def _defaults():
-    """heads, rotation, followers, group_bytes as a one-rank worker without a draft model passes them."""
-    from vllm_evict.engine.compaction import GROUP_BYTES, KVHeadGroup
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("allocation", ALLOCATIONS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_replayed_compactions_equal_eager_ones_on_the_gpu(monkeypatch, policy, allocation):
+    from vllm_evict.engine.cuda_backend import CudaPagedCache
+    from vllm_evict.kernels.key_scores import key_scores
+    from vllm_evict.kernels.window_scores import window_scores
+    from vllm_evict.policies import base, window
 
-    return KVHeadGroup(), None, {}, GROUP_BYTES
+    monkeypatch.setattr(window, "_RAW_KERNEL", window_scores)  # the scoring kernels the engine installs
+    monkeypatch.setattr(base, "_KEY_KERNEL", key_scores)
+    ran = replays_equal_eager(policy, allocation, lambda kv: CudaPagedCache(kv, D, "auto", 1.0, 1.0), "cuda")
+    assert ran == ([False, True, True] if allocation == "uniform" else [False] * 3)
+
+
+@pytest.fixture
+def stand_in_graphs(monkeypatch):
+    """torch.cuda's graphs on the CPU: a capture records the compaction call, a replay runs it again on the
+    tensors it was given; CPU caches count as graphable."""
+    from vllm_evict.engine import compaction, compaction_graphs
+    from vllm_evict.engine.cpu_backend import CpuPagedCache
+
+    capturing = []
+
+    class Graph:
+        def replay(self):
+            self.work()
+
+    @contextlib.contextmanager
+    def graph(captured, **kwargs):
+        capturing.append(captured)
+        yield
+        capturing.pop()
+
+    def captured_compaction(*args, **kwargs):
+        capturing[-1].work = lambda: compaction.compact_requests(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(compaction_graphs, "compact_requests", captured_compaction)
+    monkeypatch.setattr(CpuPagedCache, "graphable", True, raising=False)
+    return lambda kv: CpuPagedCache(kv, "vec16", 1.0, 1.0, "auto")
+
+
+@pytest.mark.parametrize("allocation", ALLOCATIONS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_replayed_compactions_equal_eager_ones(stand_in_graphs, policy, allocation):
+    ran = replays_equal_eager(policy, allocation, stand_in_graphs, "cpu")
+    assert ran == ([False, True, True] if allocation == "uniform" else [False] * 3)

@@ -148,7 +148,8 @@ class CapturedBatch:
     def load(self, batch: list) -> None:
         """Copy the batch's block ids and window queries into the static inputs."""
         ids = [b for s in batch for b in (*s.prompt_block_ids, *s.fresh_blocks)]
-        self.blocks.view(-1).copy_(torch.tensor(ids, dtype=torch.int64, pin_memory=True), non_blocking=True)
+        self.blocks.view(-1).copy_(torch.tensor(ids, dtype=torch.int64, pin_memory=self.blocks.is_cuda),
+                                   non_blocking=True)
         if self.queries is not None:
             torch.stack([s.q_window for s in batch], out=self.queries)
 
