@@ -22,7 +22,6 @@ import copy
 from collections import OrderedDict
 
 import torch
-
 from vllm.logger import init_logger
 
 from vllm_evict.engine.compaction import LayerCompaction, LayerLayouts, batch_key, compact_requests
