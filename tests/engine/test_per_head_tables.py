@@ -141,3 +141,29 @@ def test_split_kv_from_the_rows_lengths(monkeypatch):
     state.most_kept = state.fullest_offset = None
     worker.num_sms = 9  # 50 * 9 > 1.75 * 168 but 30 * 9 is not
     assert per_head.split_kv(50, total, 9) and not worker._split_kv(runner, plan)
+
+
+def test_stacked_counts_follow_the_recorded_groups():
+    """stacked_counts slices the layer groups a compaction recorded (a hybrid model's attention layers are not
+    consecutive; groups of one batch hold several requests; a layer recorded again splits its group) instead
+    of a view per layer: equal to stacking each layer's layout, with zero rows for the layers without
+    attention."""
+    from vllm_evict.engine.compaction import LayerLayouts
+
+    torch.manual_seed(2)
+    H, R = 4, 3
+    groups = [[1, 3, 5], [7], [9, 11]]  # layer indices of three recorded groups, in layer order
+    recorded = [(torch.randint(0, 9, (R, len(g), H)), torch.randint(0, 99, (R, len(g), H))) for g in groups]
+    for r in range(R):
+        state = WorkerEviction.for_prompt("r", RequestEviction(EvictionConfig.from_dict(
+            {"policy": "snapkv", "budget": 32, "allocation": "adakv"})), 200, 16)
+        state.layers = LayerLayouts()
+        for indices, (counts, kept) in zip(groups, recorded):
+            state.layers.record(indices, counts[r], kept[r])
+        state.layers[3] = LayerCompaction(torch.full((H,), 7), torch.full((H,), 70))  # splits the first group
+        counts, kept = per_head.stacked_counts(state, torch.device("cpu"))
+        expected_counts, expected_kept = torch.zeros(12, H, dtype=torch.int64), torch.zeros(12, H, dtype=torch.int64)
+        for index in state.layers:
+            expected_counts[index], expected_kept[index] = state.layers[index].page_counts, state.layers[index].kept
+        assert torch.equal(counts, expected_counts) and torch.equal(kept, expected_kept)
+        assert counts[1:12:2].ne(0).any() and counts[0:12:2].eq(0).all()

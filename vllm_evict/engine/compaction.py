@@ -142,6 +142,25 @@ class LayerLayouts(MutableMapping):
         for i, index in enumerate(indices):
             self._entries[index] = (page_counts, kept, i)
 
+    def stacked(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """(the recorded layer indices in order, page counts [n, H], kept [n, H] in that order): the recorded
+        groups' rows sliced and concatenated, not a view per layer (a group's layers are consecutive in that
+        order, so each group is one slice)."""
+        indices = sorted(self._entries)
+        runs = []  # [page_counts, kept, first row, rows] of consecutive rows of one recorded group
+        for index in indices:
+            page_counts, kept, i = self._entries[index]
+            run = runs[-1] if runs else None
+            if run is not None and run[0] is page_counts and run[1] is kept and run[2] + run[3] == i:
+                run[3] += 1
+            else:
+                runs.append([page_counts, kept, i, 1])
+        counts = [page_counts.narrow(0, first, rows) for page_counts, _, first, rows in runs]
+        kept = [kept.narrow(0, first, rows) for _, kept, first, rows in runs]
+        if len(runs) == 1:
+            return indices, counts[0], kept[0]
+        return indices, torch.cat(counts), torch.cat(kept)
+
     def follow(self, other: "LayerLayouts") -> None:
         """Record every layer's layout of `other` (a captured batch's, the same for all its requests)."""
         self._entries.update(other._entries)
@@ -425,6 +444,8 @@ def device_indices(indices: tuple[int, ...], device: torch.device) -> torch.Tens
     if tensor is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("layer indices not made before the CUDA graph capture")
+        if len(_INDICES) >= 1024:  # groups of engines since gone
+            _INDICES.clear()
         tensor = _INDICES[key] = torch.tensor(indices, dtype=torch.int64).to(device)
     return tensor
 

@@ -60,9 +60,8 @@ def stacked_counts(state, device) -> tuple[torch.Tensor, torch.Tensor]:
     """([L, H] pages per head, [L, H] kept tokens) of a compacted request, indexed by layer index
     (layers without attention stay zero); built once per layout (request_state.WorkerEviction.advance)."""
     if state.stacked is None:
-        indices = sorted(state.layers)
-        counts = torch.stack([state.layers[i].page_counts for i in indices]).to(device, torch.int64)
-        kept = torch.stack([state.layers[i].kept for i in indices]).to(device, torch.int64)
+        indices, counts, kept = state.layers.stacked()
+        counts, kept = counts.to(device, torch.int64), kept.to(device, torch.int64)
         if indices != list(range(len(indices))):
             where = host_to_device(indices, device)
             counts = counts.new_zeros(indices[-1] + 1, counts.shape[1]).index_copy_(0, where, counts)
