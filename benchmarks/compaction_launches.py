@@ -1,0 +1,90 @@
+"""The torch operations one decode-point compaction batch issues, counted on the CPU. Not a unit test.
+
+On a GPU each is a kernel launch or at least a dispatch on the host, and a step that compacts a dozen requests
+was bound by them (docs/BENCHMARKS.md, "Decode-time eviction"). This counts the engine's own compaction
+(`compaction.compact_requests`, then each request's `kept_most` as the worker calls it) of R requests at
+their third decode point (the second in per-head layout under Ada-KV), Llama-3.1-8B-shaped (32 layers,
+8 KV heads, 32 query heads, d=128, page 16), with the torch profiler's top-level operators. The cache
+adapter's gather and write and the fused scoring kernel are one launch each on CUDA, so they are left out
+(the CPU adapter loops over layers instead; scoring returns random scores).
+
+  python benchmarks/compaction_launches.py --requests 1 3 6 --allocations uniform adakv
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+
+import torch
+
+LAYERS, H, G, D, N = 32, 8, 4, 128, 16
+PROMPT, DECODE_BUDGET, DECODE_EVERY = 1024, 1024, 128
+
+
+def count(policy: str, allocation: str, num_requests: int) -> dict:
+    from torch.profiler import profile
+
+    from vllm_evict.engine import compaction
+    from vllm_evict.engine.cpu_backend import CpuPagedCache
+    from vllm_evict.engine.request_config import RequestEviction
+    from vllm_evict.engine.request_state import WorkerEviction
+    from vllm_evict.policies import EvictionConfig
+
+    def scores(policy, q_window, keys, values, lengths=None, **options):  # what the fused kernel returns
+        out = torch.rand(keys.shape[1], keys.shape[0])
+        if lengths is not None:
+            out[torch.arange(keys.shape[0]) >= lengths.view(-1, 1)] = float("-inf")
+        return out
+
+    CpuPagedCache.gather_layers = staticmethod(lambda caches, blocks, n, keys, values: None)
+    CpuPagedCache.gather_held = staticmethod(lambda caches, slots, keys, values: None)
+    CpuPagedCache.write_layers = staticmethod(lambda caches, keys, values, slots: None)
+    compaction.score_tokens = scores
+    config = EvictionConfig.from_dict({"policy": policy, "allocation": allocation}, budget_required=False)
+    blocks_each = -(-(PROMPT + 4 * DECODE_EVERY) // N)
+    layers = [(i, CpuPagedCache(torch.zeros(num_requests * blocks_each, H, N, 2 * D), "vec16", 1.0, 1.0, "auto"))
+              for i in range(LAYERS)]
+    spec = RequestEviction(config, decode_budget=DECODE_BUDGET, decode_every=DECODE_EVERY)
+    states = [WorkerEviction.for_prompt(f"r{r}", spec, PROMPT, N) for r in range(num_requests)]
+
+    def point():
+        requests = []
+        for r, state in enumerate(states):
+            blocks = list(range(r * blocks_each, (r + 1) * blocks_each))
+            state.prompt_block_ids = blocks[: -(-(state.point.at - state.shift) // N)]
+            state.fresh_blocks = blocks[: state.written_blocks]
+            if state.window:
+                state.q_window = torch.randn(LAYERS, state.window, H * G, D)
+            requests.append((state, torch.tensor(state.prompt_block_ids), torch.tensor(state.fresh_blocks)))
+        compaction.compact_requests(requests, layers, D ** -0.5, group_bytes=1 << 40)
+        for state in states:
+            if not state.stock_layout:
+                state.kept_most()
+
+    for _ in range(2):
+        point()
+        for state in states:
+            state.advance()
+    with profile() as prof:
+        point()
+    ops = collections.Counter(event.name for event in prof.events() if event.cpu_parent is None)
+    return {"policy": policy, "allocation": allocation, "requests": num_requests, "ops": sum(ops.values()),
+            "most": ops.most_common(5)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--policies", nargs="+", default=["dropkv"])
+    parser.add_argument("--allocations", nargs="+", default=["uniform", "adakv"])
+    parser.add_argument("--requests", nargs="+", type=int, default=[1, 3, 6])
+    args = parser.parse_args()
+    for policy in args.policies:
+        for allocation in args.allocations:
+            for num_requests in args.requests:
+                print(json.dumps(count(policy, allocation, num_requests)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
