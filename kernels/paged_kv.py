@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_evict.kernels.constants import device_ints
+
 BLOCK_T = 64
 
 
@@ -53,24 +55,6 @@ def _alignment(offsets: list[int]) -> int:
     512-byte alignment): the loads and stores are then vectorised, which they cannot be for a pointer
     read from memory without this hint."""
     return 16 if all(o % 16 == 0 for o in offsets) else 1
-
-
-_OFFSETS: dict[tuple, torch.Tensor] = {}
-
-
-def _offsets_tensor(offsets: list[int], device: torch.device) -> torch.Tensor:
-    """The offsets on the device, made once per layer list: the caches never move, so a launch (or a CUDA
-    graph that captured it) reads the same tensor. Made outside a capture only: a capture would record the
-    copy into it without running it."""
-    key = (tuple(offsets), device)
-    tensor = _OFFSETS.get(key)
-    if tensor is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the layer offsets of these caches were not made before the CUDA graph capture")
-        if len(_OFFSETS) >= 1024:  # caches of engines since gone
-            _OFFSETS.clear()
-        tensor = _OFFSETS[key] = torch.tensor(offsets, dtype=torch.int64).to(device)
-    return tensor
 
 
 @triton.jit
@@ -150,7 +134,7 @@ def gather_prompt(caches: list[torch.Tensor], blocks: torch.Tensor, n: int, keys
     if _check_buffers(keys, values, rows, H, D) != n or blocks.shape[1] * page < n:
         raise ValueError(f"need {n} token rows and at least cdiv({n}, {page}) blocks")
     grid = (triton.cdiv(n, BLOCK_T), rows * H)
-    _gather_prompt_kernel[grid](base, _offsets_tensor(offsets, base.device), blocks, keys, values, n, H,
+    _gather_prompt_kernel[grid](base, device_ints(tuple(offsets), base.device), blocks, keys, values, n, H,
                                 len(caches), blocks.stride(0), *keys.stride()[:3], *values.stride()[:3],
                                 D=D, D_P=triton.next_power_of_2(D), PAGE=page, BLOCK=BLOCK_T,
                                 ALIGN=_alignment(offsets))
@@ -174,7 +158,7 @@ def _by_slots(kernel, caches: list[torch.Tensor], keys: torch.Tensor, values: to
     if slots.shape != (len(caches), n, H) or slots.dtype != torch.int64 or not slots.is_contiguous():
         raise ValueError(f"slots must be contiguous int64 [{len(caches)}, {n}, {H}], got {tuple(slots.shape)}")
     grid = (triton.cdiv(n, BLOCK_T), len(caches) * H)
-    kernel[grid](base, _offsets_tensor(offsets, base.device), slots, keys, values, n, H,
+    kernel[grid](base, device_ints(tuple(offsets), base.device), slots, keys, values, n, H,
                  *keys.stride()[:3], *values.stride()[:3],
                  D=D, D_P=triton.next_power_of_2(D), BLOCK=BLOCK_T, ALIGN=_alignment(offsets))
 

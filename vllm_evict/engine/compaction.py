@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_evict.engine.per_head import head_pages, host_to_device, stacked_counts
+from vllm_evict.kernels.constants import device_ints
 from vllm_evict.policies import POLICIES, keep_mask, kept_counts, score_tokens
 from vllm_evict.policies.budget import adakv_pages
 from vllm_evict.policies.config import EvictionConfig
@@ -430,24 +431,7 @@ def group_layers(per_layer: torch.Tensor, group: list, dim: int) -> torch.Tensor
     indices = [index for index, _ in group]
     if indices == list(range(indices[0], indices[0] + len(indices))):
         return per_layer.narrow(dim, indices[0], len(indices))
-    return per_layer.index_select(dim, device_indices(tuple(indices), per_layer.device))
-
-
-_INDICES: dict[tuple, torch.Tensor] = {}
-
-
-def device_indices(indices: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """int64 `indices` on the device, made once (outside any CUDA graph capture: compaction_graphs.py) and
-    kept, since the layer groups of a model repeat every step."""
-    key = (indices, device)
-    tensor = _INDICES.get(key)
-    if tensor is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("layer indices not made before the CUDA graph capture")
-        if len(_INDICES) >= 1024:  # groups of engines since gone
-            _INDICES.clear()
-        tensor = _INDICES[key] = torch.tensor(indices, dtype=torch.int64).to(device)
-    return tensor
+    return per_layer.index_select(dim, device_ints(tuple(indices), per_layer.device))
 
 
 def _gather_heads(cache, group: list, requests: list[tuple], n: int) -> tuple:
