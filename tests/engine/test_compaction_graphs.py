@@ -103,7 +103,7 @@ def test_replayed_compactions_equal_eager_ones_on_the_gpu(monkeypatch, policy, a
 @pytest.fixture
 def stand_in_graphs(monkeypatch):
     """torch.cuda's graphs on the CPU: a capture records the compaction call, a replay runs it again on the
-    tensors it was given; CPU caches count as graphable."""
+    tensors it was given."""
     from vllm_evict.engine import compaction, compaction_graphs
     from vllm_evict.engine.cpu_backend import CpuPagedCache
 
@@ -126,7 +126,6 @@ def stand_in_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "graph", graph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(compaction_graphs, "compact_requests", captured_compaction)
-    monkeypatch.setattr(CpuPagedCache, "graphable", True, raising=False)
     return lambda kv: CpuPagedCache(kv, "vec16", 1.0, 1.0, "auto")
 
 

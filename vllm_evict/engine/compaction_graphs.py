@@ -32,14 +32,11 @@ MAX_GRAPHS = 32   # captured batches kept (least recently replayed dropped first
 MAX_MET = 4096    # keys met once, remembered until their second batch
 
 
-def graph_key(batch: list, layers: list, followers: dict | None) -> tuple | None:
+def graph_key(batch: list) -> tuple | None:
     """What fixes a batch's captured work (None: it is not captured): its batch key, size and block counts."""
     state = batch[0]
     point = state.point
     if not (point.decode and point.config.allocation == "uniform" and state.stock_layout):
-        return None
-    caches = [cache for _, cache in layers] + [cache for group in (followers or {}).values() for _, cache in group]
-    if not all(getattr(cache, "graphable", False) for cache in caches):
         return None
     key = batch_key(state)
     blocks = (len(state.prompt_block_ids), len(state.fresh_blocks))
@@ -48,12 +45,18 @@ def graph_key(batch: list, layers: list, followers: dict | None) -> tuple | None
     return key, len(batch), blocks
 
 
+def graphs_allowed(caches: list) -> bool:
+    """Whether compaction over these layer cache adapters can be captured."""
+    return all(getattr(cache, "graphable", False) for cache in caches)
+
+
 class CaptureFailed(Exception):
     """A batch's compaction could not be captured (an operation a capture does not allow)."""
 
 
 class CompactionGraphs:
-    """One worker's captured compaction batches, for the layer caches they were captured on."""
+    """One worker's captured compaction batches, for the layer caches they were captured on (enabled: CUDA
+    graphs are on and every cache adapter, draft layers' included, is `graphable`; graphs_allowed)."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
@@ -63,7 +66,7 @@ class CompactionGraphs:
 
     def run(self, batch: list, layers: list, scale: float, heads, rotation, followers, group_bytes: int) -> bool:
         """Compact the batch by its key's graph (True), or leave it to the caller's eager compaction (False)."""
-        key = graph_key(batch, layers, followers) if self.enabled else None
+        key = graph_key(batch) if self.enabled else None
         if key is None:
             return False
         if key not in self.graphs:

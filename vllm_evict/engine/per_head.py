@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vllm_evict.kernels.constants import device_ints
+
 
 @dataclass
 class VirtualTables:
@@ -63,7 +65,7 @@ def stacked_counts(state, device) -> tuple[torch.Tensor, torch.Tensor]:
         indices, counts, kept = state.layers.stacked()
         counts, kept = counts.to(device, torch.int64), kept.to(device, torch.int64)
         if indices != list(range(len(indices))):
-            where = host_to_device(indices, device)
+            where = device_ints(tuple(indices), device)
             counts = counts.new_zeros(indices[-1] + 1, counts.shape[1]).index_copy_(0, where, counts)
             kept = kept.new_zeros(counts.shape).index_copy_(0, where, kept)
         state.stacked = (counts, kept)

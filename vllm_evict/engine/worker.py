@@ -14,7 +14,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 
 from vllm_evict.engine.compaction import GROUP_BYTES, KVHeadGroup, compact_requests, compaction_batches, group_bytes
-from vllm_evict.engine.compaction_graphs import CompactionGraphs
+from vllm_evict.engine.compaction_graphs import CompactionGraphs, graphs_allowed
 from vllm_evict.engine.request_config import PLAN_KEY, parse_request
 from vllm_evict.engine.request_state import HostCopy, WorkerEviction
 from vllm_evict.engine.step import BUILD, Capture, StepPlan, staging_graph_step
@@ -369,7 +369,8 @@ class WorkerEvictionState:
 
             eager = (runner.vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
                      or os.environ.get("VLLM_EVICT_COMPACTION_GRAPHS", "1") == "0")
-            self.graphs = CompactionGraphs(cache.device.type == "cuda" and not eager)
+            caches = [c for _, c in layers] + [c for group in self.followers.values() for _, c in group]
+            self.graphs = CompactionGraphs(cache.device.type == "cuda" and not eager and graphs_allowed(caches))
         return self.layers[1:]
 
     def end_step(self) -> None:
