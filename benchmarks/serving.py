@@ -96,6 +96,8 @@ def make_engine(args):
     kwargs.update(block_size=16, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.prefix_caching, seed=0,
                   skip_tokenizer_init=True, enforce_eager=args.enforce_eager)
+    if args.speculative_config:
+        kwargs["speculative_config"] = args.speculative_config
     workers = args.tensor_parallel_size * args.pipeline_parallel_size
     if workers > 1:  # worker processes (or Ray actors); the engine core stays here (its scheduler is read)
         kwargs.update(tensor_parallel_size=args.tensor_parallel_size,
@@ -297,6 +299,7 @@ def run_load(args, drv: Driver, deadline: float, num_requests: int, max_tokens: 
     steps = tokens = decode_tokens = 0
     decode_s = 0.0
     decode_batch = []
+    decode_requests = 0  # requests of the decode-only steps (with speculation: tokens per request and step)
     max_running = 0
     capacity = None
     preempted = False
@@ -322,6 +325,7 @@ def run_load(args, drv: Driver, deadline: float, num_requests: int, max_tokens: 
             decode_tokens += new
             decode_s += dt
             decode_batch.append(new)
+            decode_requests += drv.scheduled[1]
         running = len(drv.scheduler.running)
         if running > before:
             last_admission = steps
@@ -352,6 +356,8 @@ def run_load(args, drv: Driver, deadline: float, num_requests: int, max_tokens: 
                    decode_mean_batch=round(statistics.mean(decode_batch), 1) if decode_batch else None,
                    decode_s=round(decode_s, 3),
                    decode_step_ms_mean=round(1e3 * decode_s / len(decode_batch), 2) if decode_batch else None)
+        if args.speculative_config and decode_requests:
+            out["decode_tokens_per_request_step"] = round(decode_tokens / decode_requests, 2)
     if latency:
         out["evict_ms_mean"] = round(statistics.mean(latency), 2)
     print(json.dumps(out), flush=True)
@@ -794,6 +800,11 @@ PER_TOKEN_HEAD = {bits: ["--kv-cache-dtype", f"{bits}_per_token_head"] for bits 
 # vLLM's TurboQuant caches (TURBOQUANT; a dense model's first and last two layers stay in the model dtype)
 TURBOQUANT = {preset: ["--kv-cache-dtype", f"turboquant_{preset}"] for preset in ("k8v4", "4bit_nc", "k3v4_nc",
                                                                                  "3bit_nc")}
+# vLLM's n-gram drafter, 4 draft tokens (no draft model; vLLM turns asynchronous scheduling off with it, in
+# both engines). Dummy weights repeat their tokens, so its drafts are nearly all accepted: the speculation's
+# mechanics under eviction, not a trained model's acceptance
+NGRAM = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4,
+                                             "prompt_lookup_max": 4, "prompt_lookup_min": 2})]
 BLOCKWISE_POOL = ["--kv-cache-memory-bytes", str(8 << 30), "--memory-lengths", "32768", "65000", "131000"]
 
 
@@ -924,6 +935,11 @@ PLANS = {
     # and SnapKV at one decode budget and allocation, an engine each
     **{f"reasoning-1k-4k-{budget}{'-adakv' if allocation == 'adakv' else ''}": _reasoning_plan(budget, allocation)
        for budget in (1024, 2048) for allocation in ("uniform", "adakv")},
+    # the same with n-gram speculation in both engines (DropKV at K_d 1024 only)
+    "reasoning-1k-4k-1024-ngram": [
+        ("vanilla", "decode", REASONING_ARGS + NGRAM, 300),
+        ("evict", "decode", REASONING_ARGS + NGRAM + _decode_configs({"policy": "dropkv", "decode_budget": 1024}),
+         240)],
     # memory-bounded prefill on a pool capped at 64K tokens: vanilla against no / one-shot / block-wise KeyDiff
     # at 16K tokens per head, one request at a time (peak blocks, prefill time, longest servable prompt)
     "blockwise-memory-64k-pool": [
@@ -1136,6 +1152,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (GPUs of their own)")
     o.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
                    help="vLLM's executor of the workers when there are several (ray: GPU only)")
+    o.add_argument("--speculative-config", type=json.loads, default=None,
+                   help="vLLM's speculative_config as JSON, e.g. '{\"method\": \"ngram\", ...}'")
     o.add_argument("--kv-cache-dtype", default="auto",
                    help="GPU: vLLM's --kv-cache-dtype (auto, fp8, int8_per_token_head, ...)")
     o.add_argument("--kv-cache-memory-bytes", type=int, default=None,

@@ -166,3 +166,17 @@ def test_load_at_capacity_and_e2e_on_one_engine(tmp_path):
         # host time inside the step (each figure rounded to a microsecond on its own)
         assert all(row[0] + 0.01 >= row[4] + row[5] + row[6] > 0 for row in trace)
         assert sum(row[7] for row in trace) == 4  # each request compacted once (one-shot, 10%)
+
+
+def test_decode_suite_with_ngram_speculation(tmp_path):
+    """--speculative-config reaches both engines: a decode-budget load with vLLM's n-gram drafter finishes
+    every request with its decode points, and reports the tokens each request gained per decode step
+    (above 1 once drafts are accepted: a greedy random model falls into repeats the drafter finds)."""
+    ngram = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    config = '{"policy": "dropkv", "decode_budget": 32, "decode_every": 16}'
+    load = ["--suite", "decode", "--prompt-len", "64", "--max-tokens", "120", "--num-requests", "8",
+            "--speculative-config", ngram]
+    for engine, extra in (("vanilla", []), ("evict", ["--decode-configs", config])):
+        (run,) = run_one(tmp_path, engine, "--engine", engine, *load, *extra)["runs"]
+        assert run["stop_reason"] == "all requests finished" and run["output_tokens"] == 8 * 120, run
+        assert run["decode_tokens_per_request_step"] > 1, run
