@@ -129,6 +129,7 @@ def stand_in_graphs(monkeypatch):
     return lambda kv: CpuPagedCache(kv, "vec16", 1.0, 1.0, "auto")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU vLLM's cache ops; on CUDA the test above runs real graphs")
 @pytest.mark.parametrize("allocation", ALLOCATIONS)
 @pytest.mark.parametrize("policy", POLICIES)
 def test_replayed_compactions_equal_eager_ones(stand_in_graphs, policy, allocation):
