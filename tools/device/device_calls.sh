@@ -41,6 +41,10 @@ declare -A PROFILES=(
   # against Ada-KV, and plain requests holding the same KV (H200 ~150 s)
   [profile-decode-budget]="--decode-budget --batch 256 --prompt-len 1024 --kv-len 1024 --policy dropkv
                            --allocation uniform,adakv --max-model-len 5376 --profile-steps 48"
+  # the same over a whole compaction interval (128 steps: every request's decode point), with a cProfile of
+  # the host's Python over another interval: where a compaction step's host time goes, uniform against Ada-KV
+  [profile-decode-points]="--decode-budget --batch 256 --prompt-len 1024 --kv-len 1024 --policy dropkv
+                           --allocation uniform,adakv --max-model-len 5376 --python-profile"
   # one-shot eviction at 86 x 8K (10%), uniform against Ada-KV decode steps, and plain requests of the kept
   # length (H200 ~150 s)
   [profile-adakv-decode]="--batch 86 --prompt-len 8192 --kv-len 820 --policy snapkv --allocation uniform,adakv
