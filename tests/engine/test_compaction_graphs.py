@@ -1,7 +1,7 @@
 """Decode-point compactions replayed from CUDA graphs (vllm_evict/engine/compaction_graphs.py) leave the caches
 and layouts of eager compaction, byte for byte: the first batch of a kind runs eagerly, the second is captured,
-the third replays it on other blocks, other cache contents and other window queries. Kinds the graphs leave
-eager (Ada-KV) stay eager.
+the third replays it on other blocks, other cache contents and other window queries; under uniform
+allocation and Ada-KV, from vLLM's layout and (Ada-KV) from the per-head layout of an earlier point.
 
 On the GPU through real CUDA graphs and the fused Triton scoring kernels; on the CPU through a stand-in graph
 that replays the captured call on the same static tensors (what a CUDA graph re-executes), which checks what
@@ -43,11 +43,28 @@ def decode_batch(config, blocks: list[list[int]], seed: int, device: str):
     return batch
 
 
-def replays_equal_eager(policy: str, allocation: str, make_cache, device: str) -> list[bool]:
+def next_point(batch, blocks: list[list[int]], seed: int, device: str) -> None:
+    """Move a compacted batch on to its next decode point (in place, over the same blocks)."""
+    generator = torch.Generator(device=device).manual_seed(seed + 100)
+    for state, request_blocks in zip(batch, blocks):
+        if not state.stock_layout:
+            state.kept_most()
+        state.advance()
+        assert state.point.decode and state.point.in_place
+        state.prompt_block_ids = request_blocks
+        state.fresh_blocks = request_blocks[: state.written_blocks]
+        if state.window:
+            state.q_window = torch.randn(L, state.window, H * G, D, device=device, generator=generator).to(
+                torch.bfloat16 if device == "cuda" else torch.float32)
+
+
+def replays_equal_eager(policy: str, allocation: str, make_cache, device: str, per_head: bool = False) -> list[bool]:
     """Three batches compacted eagerly and through CompactionGraphs on equal caches: both leave the same cache
-    bytes and layouts after each. Returns whether each batch ran from a graph."""
+    bytes and layouts after each. `per_head`: each batch is first compacted (eagerly, on both caches) at its
+    first decode point, and the compared compaction is the next one (under Ada-KV from per-head layout).
+    Returns whether each batch ran from a graph, and whether its kind (graph_key) was met before."""
     from vllm_evict.engine.compaction import GROUP_BYTES, KVHeadGroup, compact_requests
-    from vllm_evict.engine.compaction_graphs import CompactionGraphs
+    from vllm_evict.engine.compaction_graphs import CompactionGraphs, graph_key
     from vllm_evict.policies import EvictionConfig
 
     torch.manual_seed(3)
@@ -59,7 +76,7 @@ def replays_equal_eager(policy: str, allocation: str, make_cache, device: str) -
     graph_layers = [(i, make_cache(c)) for i, c in enumerate(graph_kv)]
     graphs = CompactionGraphs(True)
     blocks_per_request = -(-(DECODE_BUDGET + DECODE_EVERY) // N)
-    ran = []
+    ran, kinds = [], []
     for seed in range(3):  # each batch on blocks of its own
         start = seed * R * blocks_per_request
         blocks = [list(range(start + r * blocks_per_request, start + (r + 1) * blocks_per_request))[::-1]
@@ -70,6 +87,13 @@ def replays_equal_eager(policy: str, allocation: str, make_cache, device: str) -
             ids = lambda b: torch.tensor(b, device=device)  # noqa: E731
             return [(s, ids(s.prompt_block_ids), ids(s.fresh_blocks)) for s in batch]
 
+        if per_head:
+            compact_requests(requests(eager), eager_layers, D ** -0.5)
+            compact_requests(requests(graphed), graph_layers, D ** -0.5)
+            next_point(eager, blocks, seed, device)
+            next_point(graphed, blocks, seed, device)
+            assert all(s.stock_layout == (allocation == "uniform") for s in eager + graphed)
+        kinds.append(graph_key(graphed))
         compact_requests(requests(eager), eager_layers, D ** -0.5)
         replayed = graphs.run(graphed, graph_layers, D ** -0.5, KVHeadGroup(), None, {}, GROUP_BYTES)
         if not replayed:
@@ -81,14 +105,15 @@ def replays_equal_eager(policy: str, allocation: str, make_cache, device: str) -
                 assert torch.equal(g.layers[i].page_counts, e.layers[i].page_counts)
                 assert torch.equal(g.layers[i].kept, e.layers[i].kept)
     assert not torch.equal(graph_kv[0], kv[0])  # the batches moved tokens
-    return ran
+    return ran, [kind in kinds[:i] for i, kind in enumerate(kinds)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("per_head", [False, True], ids=["first-point", "next-point"])
 @pytest.mark.parametrize("allocation", ALLOCATIONS)
 @pytest.mark.parametrize("policy", POLICIES)
-def test_replayed_compactions_equal_eager_ones_on_the_gpu(monkeypatch, policy, allocation):
+def test_replayed_compactions_equal_eager_ones_on_the_gpu(monkeypatch, policy, allocation, per_head):
     from vllm_evict.engine.cuda_backend import CudaPagedCache
     from vllm_evict.kernels.key_scores import key_scores
     from vllm_evict.kernels.window_scores import window_scores
@@ -96,15 +121,17 @@ def test_replayed_compactions_equal_eager_ones_on_the_gpu(monkeypatch, policy, a
 
     monkeypatch.setattr(window, "_RAW_KERNEL", window_scores)  # the scoring kernels the engine installs
     monkeypatch.setattr(base, "_KEY_KERNEL", key_scores)
-    ran = replays_equal_eager(policy, allocation, lambda kv: CudaPagedCache(kv, D, "auto", 1.0, 1.0), "cuda")
-    assert ran == ([False, True, True] if allocation == "uniform" else [False] * 3)
+    ran, met = replays_equal_eager(policy, allocation, lambda kv: CudaPagedCache(kv, D, "auto", 1.0, 1.0), "cuda",
+                                   per_head)
+    assert ran == met and any(ran)  # a kind's first batch runs eagerly, the later ones from its graph
 
 
 @pytest.fixture
 def stand_in_graphs(monkeypatch):
     """torch.cuda's graphs on the CPU: a capture records the compaction call, a replay runs it again on the
     tensors it was given."""
-    from vllm_evict.engine import compaction, compaction_graphs
+    from vllm_evict.engine import compaction_graphs
+    from vllm_evict.engine.compaction import LayerLayouts
     from vllm_evict.engine.cpu_backend import CpuPagedCache
 
     capturing = []
@@ -119,19 +146,32 @@ def stand_in_graphs(monkeypatch):
         yield
         capturing.pop()
 
-    def captured_compaction(*args, **kwargs):
-        capturing[-1].work = lambda: compaction.compact_requests(*args, **kwargs)
+    def captured_compaction(outputs, requests, *args, **kwargs):
+        seen = []  # the host state the capture saw: the stand-ins' layouts before this compaction
+        for state, _, _ in requests:
+            seen.append(LayerLayouts())
+            seen[-1].follow(state.layers)
+
+        def work():
+            for (state, _, _), layouts in zip(requests, seen):
+                state.layers = LayerLayouts()
+                state.layers.follow(layouts)
+            compact_into(outputs, requests, *args, **kwargs)
+
+        capturing[-1].work = work
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", graph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(compaction_graphs, "compact_requests", captured_compaction)
+    compact_into = compaction_graphs.compact_into
+    monkeypatch.setattr(compaction_graphs, "compact_into", captured_compaction)
     return lambda kv: CpuPagedCache(kv, "vec16", 1.0, 1.0, "auto")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU vLLM's cache ops; on CUDA the test above runs real graphs")
+@pytest.mark.parametrize("per_head", [False, True], ids=["first-point", "next-point"])
 @pytest.mark.parametrize("allocation", ALLOCATIONS)
 @pytest.mark.parametrize("policy", POLICIES)
-def test_replayed_compactions_equal_eager_ones(stand_in_graphs, policy, allocation):
-    ran = replays_equal_eager(policy, allocation, stand_in_graphs, "cpu")
-    assert ran == ([False, True, True] if allocation == "uniform" else [False] * 3)
+def test_replayed_compactions_equal_eager_ones(stand_in_graphs, policy, allocation, per_head):
+    ran, met = replays_equal_eager(policy, allocation, stand_in_graphs, "cpu", per_head)
+    assert ran == met and any(ran)  # a kind's first batch runs eagerly, the later ones from its graph

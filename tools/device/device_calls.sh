@@ -16,6 +16,8 @@
 #
 # usage: [COMMIT=sha] [STAGE_GGUF=.quality-gpu/partK] [RUN_TESTS=1 [GPU_TESTS="..."]] [BUDGET_S=575] \
 #          bash tools/device/device_calls.sh [PLAN...]
+# Engines start from /tmp: from the checkout's root a spawned interpreter would import its vllm_evict/ (no
+# kernels/ inside) before the installed layout. SERVING_ARGS: more `serving.py run` arguments (--entries 1).
 # PLAN: a serving.py plan; fp8-needle (quality_gpu.sh); or profile-NAME, a profile_engine.py run (PROFILES below).
 # RUN_TESTS=1 runs the GPU tests first (GPU_TESTS: pytest arguments; default the per-head and CUDA-graph engine
 # tests), from /tmp with the checkout appended to sys.path.
@@ -79,8 +81,8 @@ for plan in "$@"; do
   if [ -n "${PROFILES[$plan]:-}" ]; then
     mkdir -p "$raw/$plan"
     # shellcheck disable=SC2086
-    timeout -k 10 "$t" python3 benchmarks/profile_engine.py ${PROFILES[$plan]} --out-dir "$raw/$plan" 2>&1 \
-      | grep -v "Warning\|warn(" > "$raw/$plan.log"
+    (repo=$PWD; cd /tmp && timeout -k 10 "$t" python3 "$repo/benchmarks/profile_engine.py" ${PROFILES[$plan]} \
+      --out-dir "$raw/$plan" 2>&1) | grep -v "Warning\|warn(" > "$raw/$plan.log"
     rc=$?
     grep -E '^\{|^###|Traceback|Error' "$raw/$plan.log" | cut -c1-400 | tail -20
     cp -f "$raw/$plan.log" "$OUT/$plan.log"
@@ -91,8 +93,8 @@ for plan in "$@"; do
     grep -E "^quality:|^\[needle|Traceback|Error" "$raw/$plan.log" | cut -c1-400 | tail -20
     cp -f "$raw/$plan.log" "$OUT/$plan.log"
   else
-    timeout -k 10 "$t" python3 benchmarks/serving.py run --plan "$plan" --out-dir "$raw" 2>&1 \
-      | grep -v "Warning\|warn(" > "$raw/$plan.log"
+    (repo=$PWD; cd /tmp && timeout -k 10 "$t" python3 "$repo/benchmarks/serving.py" run --plan "$plan" \
+      --out-dir "$raw" ${SERVING_ARGS:-} 2>&1) | grep -v "Warning\|warn(" > "$raw/$plan.log"
     rc=$?
     grep -E '^\{|^-> rc' "$raw/$plan.log" | cut -c1-400
     cp -f "$raw/$plan.log" "$OUT/$plan.log"

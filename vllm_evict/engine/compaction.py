@@ -263,6 +263,55 @@ def batch_key(state) -> tuple | None:
             None if point.in_place else state.blocks, state.stock_layout)
 
 
+def gathered_width(states: list) -> int:
+    """Tokens per head a batch's compaction gathers: the most any of its requests holds. In per-head layout
+    that is its fullest head, rounded up to one of eight widths an octave (whole pages), so that batches
+    of nearly equal fill share one captured graph (compaction_graphs.py); a head's tokens past its count
+    are masked, so the width changes no kept set."""
+    held = max(state.gathered_tokens for state in states)
+    if all(state.stock_layout for state in states):
+        return held
+    page = states[0].page_size
+    step = page * max(1, (1 << max(held.bit_length() - 3, 0)) // page)
+    return -(-held // step) * step
+
+
+@dataclass
+class PerHeadInputs:
+    """What a batch of R requests in per-head layout reads to gather what each head holds (by layer index,
+    all layers): their layouts at the last point and two host values each, on the cache's device."""
+
+    counts: torch.Tensor   # [R, L, H] int64 pages per head
+    kept: torch.Tensor     # [R, L, H] int64 tokens kept per head
+    scalars: torch.Tensor  # [2, R] int64 tokens written since the last point; blocks the layout spans
+
+    @classmethod
+    def of(cls, states: list, device) -> "PerHeadInputs":
+        stacked = [stacked_counts(state, device) for state in states]                     # ([L, H], [L, H])
+        return cls(torch.stack([c for c, _ in stacked]), torch.stack([k for _, k in stacked]),
+                   host_to_device(cls.host_values(states), device).view(2, -1))
+
+    @staticmethod
+    def host_values(states: list) -> list[int]:
+        return [s.point.at - s.last_at for s in states] + [s.blocks for s in states]
+
+    @property
+    def since(self) -> torch.Tensor:
+        return self.scalars[0]
+
+    @property
+    def fresh(self) -> torch.Tensor:
+        return self.scalars[1]
+
+    def load(self, states: list) -> None:
+        """Copy another batch's inputs (as many requests, as many layers) into these tensors (static ones)."""
+        stacked = [stacked_counts(state, self.counts.device) for state in states]
+        torch.stack([c for c, _ in stacked], out=self.counts)
+        torch.stack([k for _, k in stacked], out=self.kept)
+        values = torch.tensor(self.host_values(states), dtype=torch.int64, pin_memory=self.scalars.is_cuda)
+        self.scalars.view(-1).copy_(values, non_blocking=True)
+
+
 def compaction_batches(states: list, num_layers: int, num_heads: int, token_head_bytes: int,
                        group_bytes: int = GROUP_BYTES) -> list[list]:
     """The requests of one step, in batches for compact_requests: equal batch keys, at most as many as fit
@@ -290,7 +339,8 @@ def compact_request(state, layers: list[tuple[int, object]], scale: float, promp
 
 def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], scale: float,
                      heads: KVHeadGroup = KVHeadGroup(), rotation: torch.Tensor | None = None,
-                     followers: dict[int, list] | None = None, group_bytes: int = GROUP_BYTES) -> torch.Tensor | None:
+                     followers: dict[int, list] | None = None, group_bytes: int = GROUP_BYTES,
+                     inputs: PerHeadInputs | None = None) -> torch.Tensor | None:
     """Score, select and move the tokens each request holds at its next compaction point (request_config.Point:
     its prompt up to E, or, evicting again, its kept pages and the tokens since) into their blocks, in every
     layer. Several requests (one batch_key) fold into the head axis next to the layers, so one scoring call,
@@ -304,7 +354,8 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     layer's (tensor parallelism). rotation: the model's mean RoPE move to future positions (expected attention).
     followers: {layer index: [(layer index, cache)]} layers that keep, head by head, the tokens that layer
     keeps (a draft model's layers in the same KV cache group; uniform allocation only, DESIGN.md §4.8 g).
-    Fills each state.layers. Returns, for Ada-KV under TP (one request), the fresh blocks F' <= F that the
+    inputs: the per-head requests' layouts at their last point (default: read off the requests; a captured
+    graph passes static copies). Fills each state.layers. Returns, for Ada-KV under TP (one request), the fresh blocks F' <= F that the
     fullest rank fills (a device scalar): the layout spans those, and the other F - F' are never written;
     else None."""
     state, num_heads = requests[0][0], layers[0][1].num_heads
@@ -314,7 +365,9 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     assert R == 1 or len({batch_key(s) for s, _, _ in requests} - {None}) == 1, "requests of one batch key"
     per_head = not state.stock_layout
     assert not (followers and per_head), "a draft model's layers follow stock-layout (uniform) requests only"
-    held = max(s.gathered_tokens for s, _, _ in requests)
+    held = gathered_width(states)
+    if per_head and inputs is None:
+        inputs = PerHeadInputs.of(states, layers[0][1].device)
     # one point geometry (batch_key): equal block counts, a row per request (per-head requests read theirs
     # head by head)
     written = torch.stack([blocks for _, _, blocks in requests])
@@ -331,7 +384,7 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     for group in groups:
         lengths, cache = None, group[0][1]
         if per_head:
-            keys, values, lengths = _gather_heads(cache, group, requests, held)
+            keys, values, lengths = _gather_heads(cache, group, requests, inputs, held)
         else:
             keys, values = _gather(cache, group, read, held)
         G, H = len(group), num_heads
@@ -380,7 +433,7 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
         used = (used + num_heads - 1) // num_heads
         for i, (group, keep, counts) in enumerate(selected):
             if i < len(selected) - 1:  # the last group's K/V are still gathered (the others' layers unwritten)
-                keys, values = (_gather_heads(group[0][1], group, requests, held)[:2] if per_head
+                keys, values = (_gather_heads(group[0][1], group, requests, inputs, held)[:2] if per_head
                                 else _gather(group[0][1], group, read, held))
             _write_group(states, group, keys, values, keep[None], counts[None], written, used)
     if spans_written:
@@ -434,21 +487,17 @@ def group_layers(per_layer: torch.Tensor, group: list, dim: int) -> torch.Tensor
     return per_layer.index_select(dim, device_ints(tuple(indices), per_layer.device))
 
 
-def _gather_heads(cache, group: list, requests: list[tuple], n: int) -> tuple:
+def _gather_heads(cache, group: list, requests: list[tuple], inputs: PerHeadInputs, n: int) -> tuple:
     """keys, values [n, R, G, H, D] of what each head of R requests in per-head layout holds in a layer
     group (zero past a head's count), and the counts [R, G, H]: the head's kept tokens at the last point,
     then the tokens since, in its pages (per_head.head_pages over the request's blocks). One slot table for
     all requests and layers, one gather (the adapter's gather_held)."""
     G, H, D, page, device = len(group), cache.num_heads, cache.stored_dim, cache.page_size, cache.device
     R = len(requests)
-    states = [state for state, _, _ in requests]
-    stacked = [stacked_counts(state, device) for state in states]                           # ([L, H], [L, H])
-    counts = group_layers(torch.stack([c for c, _ in stacked]), group, 1)                   # [R, G, H]
-    since = host_to_device([state.point.at - state.last_at for state in states], device)
-    held = group_layers(torch.stack([k for _, k in stacked]), group, 1) + since.view(R, 1, 1)
-    fresh = host_to_device([state.blocks for state in states], device)
+    counts = group_layers(inputs.counts, group, 1)                                          # [R, G, H]
+    held = group_layers(inputs.kept, group, 1) + inputs.since.view(R, 1, 1)
     row_blocks = torch.nn.utils.rnn.pad_sequence([blocks.to(torch.int64) for _, blocks, _ in requests], batch_first=True)
-    pages = head_pages(counts.permute(1, 2, 0), fresh, row_blocks, -(-n // page))          # [G, H, R, W]
+    pages = head_pages(counts.permute(1, 2, 0), inputs.fresh, row_blocks, -(-n // page))   # [G, H, R, W]
     col = torch.arange(n, device=device)
     slots = pages.gather(-1, (col // page).expand(G, H, R, n)) * page + col % page          # [G, H, R, n]
     slots = torch.where(col < held.permute(1, 2, 0).unsqueeze(-1), slots, -1)             # past a head's count
