@@ -355,9 +355,9 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     followers: {layer index: [(layer index, cache)]} layers that keep, head by head, the tokens that layer
     keeps (a draft model's layers in the same KV cache group; uniform allocation only, DESIGN.md §4.8 g).
     inputs: the per-head requests' layouts at their last point (default: read off the requests; a captured
-    graph passes static copies). Fills each state.layers. Returns, for Ada-KV under TP (one request), the fresh blocks F' <= F that the
-    fullest rank fills (a device scalar): the layout spans those, and the other F - F' are never written;
-    else None."""
+    graph passes static copies). Fills each state.layers. Returns, for Ada-KV under TP (one request), the
+    fresh blocks F' <= F that the fullest rank fills (a device scalar): the layout spans those, and the
+    other F - F' are never written; else None."""
     state, num_heads = requests[0][0], layers[0][1].num_heads
     point, config = state.point, state.point.config
     fixed, R = point.fixed, len(requests)
