@@ -156,6 +156,7 @@ class EvictionKVCacheManager(KVCacheManager):
     """KVCacheManager that knows which requests evict. Installed on the scheduler's manager instance."""
 
     evictions: dict[str, SchedulerEviction]
+    pending_swaps: set[str]  # requests whose compaction step allocate_slots scheduled, until swapped
     page_size: int
     group: EvictedGroup
 
@@ -199,15 +200,16 @@ class EvictionKVCacheManager(KVCacheManager):
         given = {**_ALLOCATE_SLOTS_DEFAULTS, **kwargs}
         chunk_end = (request.num_computed_tokens + given["num_new_computed_tokens"]
                      + given["num_external_computed_tokens"] + num_new_tokens)
-        point = ev.point
+        point = ev.schedule.point(ev.done)  # every running request, every step: no properties
         evicts = point is not None and chunk_end == point.at
-        if ev.rewrites_blocks or ev.compacted:  # never hashed: compacted blocks, or blocks compaction rewrites
+        compacted = ev.done > 0
+        if compacted or ev.rewrites_blocks:  # never hashed: compacted blocks, or blocks compaction rewrites
             kwargs["delay_cache_blocks"] = True
-        if ev.bounded and given["full_sequence_must_fit"]:  # admission: its peak, not its sequence, must fit
+        if given["full_sequence_must_fit"] and ev.bounded:  # admission: its peak, not its sequence, must fit
             kwargs["full_sequence_must_fit"] = False
             if self._blocks_short(request, ev):
                 return None
-        if evicts and not point.in_place and not ev.compacted:
+        if evicts and not point.in_place and not compacted:
             # The chunk that ends at E: allocate it together with F fresh destination blocks.
             kwargs["reserved_blocks"] = given["reserved_blocks"] + ev.blocks
             new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
@@ -222,6 +224,7 @@ class EvictionKVCacheManager(KVCacheManager):
             new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
         if evicts and new_blocks is not None:
             ev.swap_pending = True  # swapped in _update_after_schedule, once this step's block ids are sent
+            self.pending_swaps.add(request.request_id)
         return new_blocks
 
     def trim(self, request_id: str, ev: SchedulerEviction, used: int) -> None:
@@ -347,6 +350,7 @@ class _EvictionSchedulerMixin:
         reason = model_refusal(config.model_config, config.scheduler_config, config.speculative_config) or reason
         self.refusal = reason  # why this model cannot evict (None: it can); requests that ask are failed
         self.evictions: dict[str, SchedulerEviction] = {}
+        self.pending_swaps: set[str] = set()
         self.failed: list = []  # finished with an error (unreadable settings, failed compaction), output pending
         # Chunk boundaries at the eviction point go through vLLM's block-aligned-split hook.
         self._vllm_needs_mamba_split = self.need_mamba_block_aligned_split
@@ -359,6 +363,7 @@ class _EvictionSchedulerMixin:
         manager = self.kv_cache_manager
         manager.__class__ = EvictionKVCacheManager
         manager.evictions = self.evictions
+        manager.pending_swaps = self.pending_swaps
         manager.page_size = self.page_size
         manager.group = group
         install_group_manager(manager.evicted)
@@ -412,13 +417,16 @@ class _EvictionSchedulerMixin:
             num_new_tokens = super()._mamba_block_aligned_split(
                 request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)
         ev = self.evictions.get(request.request_id)
-        if ev is None or ev.swap_pending or ev.next_point is None:
+        if ev is None or ev.swap_pending:
+            return num_new_tokens
+        point = ev.schedule.point(ev.done)  # every scheduled request, every step: one call, no properties
+        if point is None:
             return num_new_tokens
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
-        if start >= ev.next_point:
+        to_point = point.at - start
+        if to_point <= 0 or num_new_tokens < to_point:
             return num_new_tokens
-        to_point = ev.next_point - start
-        if num_new_tokens >= to_point > 1 and start >= request.num_prompt_tokens:
+        if to_point > 1 and start >= request.num_prompt_tokens:
             # a decode step's tokens after its first are draft tokens (speculative decoding), which may be
             # rejected: it stops a token short of the point, which a step of one verified token then reaches
             return to_point - 1
@@ -433,10 +441,16 @@ class _EvictionSchedulerMixin:
 
     def _update_after_schedule(self, scheduler_output) -> None:
         super()._update_after_schedule(scheduler_output)
-        for req_id in scheduler_output.num_scheduled_tokens:
+        if not self.pending_swaps:
+            return
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id in list(self.pending_swaps):
             ev = self.evictions.get(req_id)
-            if ev is not None and ev.swap_pending:
+            if ev is None or not ev.swap_pending:  # finished or preempted since
+                self.pending_swaps.discard(req_id)
+            elif req_id in scheduled:
                 self.kv_cache_manager.swap_to_compacted(req_id, ev)
+                self.pending_swaps.discard(req_id)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         latency = getattr(model_runner_output, LATENCY_ATTR, None) or {}

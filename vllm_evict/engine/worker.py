@@ -163,15 +163,19 @@ class WorkerEvictionState:
             return
         batch = runner.input_batch
         num_reqs = batch.num_reqs
-        token_starts = runner.query_start_loc.np
+        index, scheduled = batch.req_id_to_index, scheduler_output.num_scheduled_tokens
         rows = []
         for req_id, state in self.requests.items():
-            row = batch.req_id_to_index.get(req_id)
-            if row is not None and row < num_reqs and req_id in scheduler_output.num_scheduled_tokens:
+            row = index.get(req_id)
+            if row is not None and row < num_reqs and req_id in scheduled:
                 rows.append((row, state))
         if not rows:
             return
         rows.sort(key=lambda item: item[0])
+        # every evicting row, every step: host lists, not numpy scalars, and a row between points costs a few
+        # comparisons
+        token_starts = runner.query_start_loc.np[: num_reqs + 1].tolist()
+        computed_tokens = batch.num_computed_tokens_cpu[:num_reqs].tolist()
         states: list[WorkerEviction | None] = [None] * num_reqs
         captures: list[Capture] = []
         compacting: list[int] = []
@@ -180,22 +184,26 @@ class WorkerEvictionState:
         per_head_tokens: list[int] = []
         for row, state in rows:
             states[row] = state
-            token_start = int(token_starts[row])
-            count = int(token_starts[row + 1]) - token_start
-            if state.compacted:
+            token_start = token_starts[row]
+            count = token_starts[row + 1] - token_start
+            if state.done:  # compacted
                 compacted_rows.append(row)
                 if not state.stock_layout:
                     per_head_rows.append(row)
                     per_head_tokens.extend(range(token_start, token_start + count))
-            point = state.next_point
+            point = state.schedule.point(state.done)
             if point is None or state.failed:
                 continue
-            computed = int(batch.num_computed_tokens_cpu[row])
+            point = point.at
+            computed = computed_tokens[row]
+            end = computed + count
+            if end < point and end <= point - state.window:  # before its window: nothing to record or compact
+                continue
             lo = max(computed, point - state.window)
-            hi = min(computed + count, point)
+            hi = min(end, point)
             if hi > lo:
                 captures.append(Capture(state, token_start + lo - computed, hi - lo, lo - (point - state.window)))
-            if computed + count == point:
+            if end == point:
                 self.pending_strip[state.req_id] = state
                 current = state.point
                 if not current.evicts:  # a point that evicts nothing: it only advances
@@ -208,7 +216,7 @@ class WorkerEvictionState:
                 else:
                     state.prompt_block_ids = list(blocks[: state.prompt_blocks])
                     state.fresh_blocks = list(blocks[state.prompt_blocks: state.prompt_blocks + state.blocks])
-            elif computed + count > point:
+            elif end > point:
                 self._passed_point(state)
                 if not state.compacted:
                     del self.requests[state.req_id]
