@@ -23,6 +23,7 @@ import time
 import torch
 
 LAYERS, H, G, D, N = 32, 8, 4, 128, 16
+DECODE_GROUP_BYTES = 1 << 30  # about what an 8B engine's profiled activations allow (compaction.group_bytes)
 
 
 def setup(policy: str, n: int, precision: str, allocation: str):
@@ -128,7 +129,7 @@ def decode_points(policy: str, allocation: str, num_requests: int, repeats: int)
             requests.append((state, torch.tensor(state.prompt_block_ids, device=dev),
                              torch.tensor(state.fresh_blocks, device=dev)))
         torch.cuda.synchronize()
-        compaction.compact_requests(requests, layers, D ** -0.5)
+        compaction.compact_requests(requests, layers, D ** -0.5, group_bytes=DECODE_GROUP_BYTES)
         for state in states:
             if not state.stock_layout:
                 state.kept_most()
