@@ -2,7 +2,7 @@
 
 Fresh random inputs: separate cache tensors per layer (as vLLM allocates them, so the launch reaches them
 through offsets from the first, in either direction), three requests' shuffled prompt block lists with a
-partial last page gathered in one launch, strided [n, R*G, H, D] buffers, and uneven per-head kept sets (-1 = evicted). CPU (CI): the kernels in
+partial last page gathered in one launch, strided [n, R*G, H, D] buffers (token-major and head-major), and uneven per-head kept sets (-1 = evicted). CPU (CI): the kernels in
 the Triton interpreter (subprocess). GPU (``-m gpu``): the compiled kernels, bf16."""
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ def check(device: str, seed: int, dtype=torch.float32) -> None:
         ref_v = torch.empty_like(ref_k)
         gather_prompt_reference(caches, blocks, n, ref_k, ref_v)
         assert torch.equal(keys, ref_k) and torch.equal(values, ref_v)
+        # head-major buffers (each head's n tokens contiguous, as the engine stages them)
+        head_major = torch.full((3 * num_layers, H, n, 2 * D), float("nan"), device=device, dtype=dtype)
+        head_major = head_major.permute(2, 0, 1, 3)
+        gather_prompt(caches, blocks, n, head_major[..., :D], head_major[..., D:])
+        assert torch.equal(head_major[..., :D], ref_k) and torch.equal(head_major[..., D:], ref_v)
         one = torch.empty(n, num_layers, H, D, device=device, dtype=dtype)
         gather_prompt_reference(caches, blocks[2:], n, one, torch.empty_like(one))  # request 2 alone
         assert torch.equal(keys[:, 2 * num_layers:], one)
@@ -46,7 +51,7 @@ def check(device: str, seed: int, dtype=torch.float32) -> None:
                              for _ in range(num_layers)])
         keep = torch.rand(num_layers, n, H, generator=gen) < 0.3
         slots = torch.where(keep, fresh, -1).to(device)
-        new_k = torch.randn(n, num_layers, H, D, generator=gen).to(device=device, dtype=dtype)
+        new_k = torch.randn(num_layers, H, n, D, generator=gen).to(device=device, dtype=dtype).permute(2, 0, 1, 3)
         new_v = torch.randn(n, num_layers, H, D, generator=gen).to(device=device, dtype=dtype)
         expected = [c.clone() for c in caches]
         scatter_kept_reference(expected, new_k, new_v, slots)

@@ -468,12 +468,19 @@ def _token_context(state, point, positions: torch.Tensor, group: list, heads: KV
                         compaction=point.index, seed=state.spec.config.seed or 0)
 
 
+def staging(n: int, R: int, G: int, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty keys, values [n, R, G, H, W] for what R requests hold in G layers of the cache's layout, each
+    head's n tokens contiguous in memory: the scoring kernels and the write then read a head's key tile as
+    one block, not n rows a whole layer group apart."""
+    shape = (R, G, cache.num_heads, n, cache.stored_dim)
+    keys = torch.empty(shape, dtype=cache.dtype, device=cache.device).permute(3, 0, 1, 2, 4)
+    return keys, torch.empty_like(keys)
+
+
 def _gather(cache, group: list, blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """keys, values [n, R, G, H, D] of the first n held tokens of R requests (blocks [R, >= cdiv(n, page)])
     in a layer group: one launch."""
-    keys = torch.empty(n, blocks.shape[0], len(group), cache.num_heads, cache.stored_dim, dtype=cache.dtype,
-                       device=cache.device)
-    values = torch.empty_like(keys)
+    keys, values = staging(n, blocks.shape[0], len(group), cache)
     cache.gather_layers([layer_cache for _, layer_cache in group], blocks, n, keys, values)
     return keys, values
 
@@ -501,8 +508,7 @@ def _gather_heads(cache, group: list, requests: list[tuple], inputs: PerHeadInpu
     col = torch.arange(n, device=device)
     slots = pages.gather(-1, (col // page).expand(G, H, R, n)) * page + col % page          # [G, H, R, n]
     slots = torch.where(col < held.permute(1, 2, 0).unsqueeze(-1), slots, -1)             # past a head's count
-    keys = torch.empty(n, R, G, H, D, dtype=cache.dtype, device=device)
-    values = torch.empty_like(keys)
+    keys, values = staging(n, R, G, cache)
     caches = [layer_cache for _, layer_cache in group] * R
     cache.gather_held(caches, slots.permute(2, 0, 3, 1).reshape(R * G, n, H).contiguous(), keys.view(n, R * G, H, D),
                       values.view(n, R * G, H, D))

@@ -24,8 +24,8 @@ class HndPagedCache:
     @staticmethod
     def gather_layers(caches: list["HndPagedCache"], blocks: torch.Tensor, n: int, keys: torch.Tensor,
                       values: torch.Tensor) -> None:
-        """keys/values [n, R, G, H, W] (contiguous) <- the first n prompt tokens of R requests (blocks [R, nb])
-        in G layers: one launch."""
+        """keys/values [n, R, G, H, W] (unit stride on W; R and G foldable into one axis) <- the first n prompt
+        tokens of R requests (blocks [R, nb]) in G layers: one launch."""
         rows = (n, keys.shape[1] * len(caches), *keys.shape[3:])
         gather_prompt([c.kv_cache for c in caches], blocks, n, keys.view(rows), values.view(rows))
 
