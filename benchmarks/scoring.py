@@ -13,6 +13,11 @@ plus the device's measured copy bandwidth (D2D copy, bytes read + written) and F
 rates, and the roofline of the scoring pass: bytes that must move = K (+ V) once + raw out.
 
 usage: python benchmarks/scoring.py [--out scoring.json] [--quick] [--sweep]
+
+--decode-point: instead, the shape of a decode-point compaction batch (6 requests x 32 layers x 8 KV heads
+folded into 1,536 heads, 1,152 held tokens each, as the engine scores them at decode budget 1024), with the
+held K/V token-major ([n, heads, D] contiguous) and head-major (each head's tokens contiguous), over a
+kernel-B launch grid.
 """
 
 from __future__ import annotations
@@ -75,14 +80,19 @@ def measure_matmul(dtype, size=8192):
     return dict(size=size, ms=t, tflop_s=2 * size ** 3 / (t * 1e-3) / 1e12)
 
 
-def make_sets(n, w, H_q, H_kv, D, count, seed):
+def make_sets(n, w, H_q, H_kv, D, count, seed, head_major=False):
+    """head_major: keys/values [n, H_kv, D] views of [H_kv, n, D] memory (each head's tokens contiguous)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (H_kv, n, D) if head_major else (n, H_kv, D)
+
+    def held():
+        x = torch.randn(shape, device="cuda", generator=gen, dtype=torch.float32).to(torch.bfloat16)
+        return x.transpose(0, 1) if head_major else x
+
     sets = []
     for _ in range(count):
         q = torch.randn(w, H_q, D, device="cuda", generator=gen, dtype=torch.float32).to(torch.bfloat16)
-        k = torch.randn(n, H_kv, D, device="cuda", generator=gen, dtype=torch.float32).to(torch.bfloat16)
-        v = torch.randn(n, H_kv, D, device="cuda", generator=gen, dtype=torch.float32).to(torch.bfloat16)
-        sets.append((q, k, v))
+        sets.append((q, held(), held()))
     return sets
 
 
@@ -96,12 +106,13 @@ class Rotor:
         return s
 
 
-def bench_case(policy, n, w, *, H_q=32, H_kv=8, D=128, config=None, do_naive=True, do_ref=True, seed=0):
+def bench_case(policy, n, w, *, H_q=32, H_kv=8, D=128, config=None, do_naive=True, do_ref=True, seed=0,
+               head_major=False, check=True):
     kv_bytes = n * H_kv * D * 2
     count = max(2, min(8, math.ceil(4 * 50e6 / (2 * kv_bytes))))  # >= 4x L2 across the rotation
-    sets = make_sets(n, w, H_q, H_kv, D, count, seed)
+    sets = make_sets(n, w, H_q, H_kv, D, count, seed, head_major)
     rot = Rotor(sets)
-    res = dict(policy=policy, n=n, w=w, H_q=H_q, H_kv=H_kv, D=D, rotate=count)
+    res = dict(policy=policy, n=n, w=w, H_q=H_q, H_kv=H_kv, D=D, rotate=count, head_major=head_major)
 
     def tri():
         q, k, v = rot.next()
@@ -164,8 +175,10 @@ def bench_case(policy, n, w, *, H_q=32, H_kv=8, D=128, config=None, do_naive=Tru
         except torch.OutOfMemoryError:
             res[f"{name}_ms"] = res[f"{name}_peak_bytes"] = None
         torch.cuda.empty_cache()
-    # sanity: kernel vs fp32 reference on this set (max relative error)
+    # sanity: kernel vs fp32 reference on this set (max relative error), on its first 8 heads under check=False
     q, k, v = sets[0]
+    if not check:
+        q, k, v = q[:, : 8 * (H_q // H_kv)], k[:, :8], v[:, :8]
     tri_out = ws.window_scores(policy, q, k, v, config=config)
     ref_out = window_scores_reference(policy, q, k, v)
     res["max_rel_err_vs_ref32"] = float(((tri_out - ref_out).abs() / ref_out.abs().clamp_min(1e-30)).max())
@@ -180,6 +193,8 @@ def main():
     ap.add_argument("--out", default="scoring.json")
     ap.add_argument("--quick", action="store_true", help="fewer sizes (smoke run)")
     ap.add_argument("--sweep", action="store_true", help="kernel B / A launch-parameter sweep at 128K")
+    ap.add_argument("--decode-point", action="store_true",
+                    help="a decode-point batch's shape, token-major against head-major K/V, kernel B launch grid")
     ap.add_argument("--sweep-b", action="store_true",
                     help="kernel B launch sweep of the default (bf16x3) dropkv at 32K and 128K only")
     args = ap.parse_args()
@@ -202,6 +217,8 @@ def main():
           f"{ceil['fp32_matmul']['tflop_s']:.1f} TFLOP/s; bf16 matmul {ceil['bf16_matmul']['tflop_s']:.1f} TFLOP/s",
           flush=True)
 
+    if args.decode_point:
+        return decode_point(args, meta, ceil)
     sizes = [4096, 16384, 131072] if args.quick else [4096, 8192, 16384, 32768, 65536, 131072]
     cases = [("dropkv", 8, None), ("snapkv", 32, None),
              ("dropkv", 8, ws.WindowScoreConfig(precision="ieee"))]
@@ -281,6 +298,34 @@ def main():
     print(f"\nelapsed {time.time() - t0:.0f} s")
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, ceilings=ceil, rows=rows, sweep=sweep), f, indent=1)
+
+
+def decode_point(args, meta, ceil):
+    """--decode-point: kernels A + C and B at a decode-point batch's shape, both K/V layouts."""
+    C = ws.WindowScoreConfig
+    heads, n = 6 * 32 * 8, 1152
+    grid = [(None, "defaults")] + [
+        (C(sub_n_b=sub, num_warps_b=nw, num_stages_b=st, max_sub_b=mx), f"B sub={sub} warps={nw} stages={st} max_sub={mx}")
+        for sub, nw, st, mx in ((64, 4, 3, 2), (64, 4, 3, 4), (64, 8, 3, 8), (128, 8, 3, 4), (32, 4, 3, 8),
+                                (64, 4, 2, 8), (64, 4, 4, 8), (128, 4, 3, 2))]
+    rows = []
+    for policy, w in (("dropkv", 8), ("snapkv", 32)):
+        for head_major in (False, True):
+            for cfg, label in grid if policy == "dropkv" else grid[:1]:
+                try:
+                    r = bench_case(policy, n, w, H_q=4 * heads, H_kv=heads, config=cfg, do_naive=False, do_ref=False,
+                                   head_major=head_major, check=False)
+                except Exception as e:  # noqa: BLE001 - a config may not compile
+                    print(f"{policy} {label}: {type(e).__name__}: {e}"[:300], flush=True)
+                    continue
+                r["label"] = label
+                rows.append(r)
+                print(f"{policy:7s} {'head-major' if head_major else 'token-major':11s} {label:36s} "
+                      f"A+C {r['fwd_ms']:.4f} ms  B {r['score_ms']:.4f} ms = {r['score_tb_s']:.2f} TB/s  "
+                      f"full {r['triton_ms']:.4f} ms  sub={r['num_sub_b']}  err {r['max_rel_err_vs_ref32']:.1e}",
+                      flush=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, ceilings=ceil, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
