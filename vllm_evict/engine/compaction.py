@@ -269,7 +269,7 @@ def gathered_width(states: list) -> int:
     of nearly equal fill share one captured graph (compaction_graphs.py); a head's tokens past its count
     are masked, so the width changes no kept set."""
     held = max(state.gathered_tokens for state in states)
-    if all(state.stock_layout for state in states):
+    if states[0].stock_layout:  # one batch key: one layout
         return held
     page = states[0].page_size
     step = page * max(1, (1 << max(held.bit_length() - 3, 0)) // page)
