@@ -17,7 +17,7 @@ usage: python benchmarks/scoring.py [--out scoring.json] [--quick] [--sweep]
 --decode-point: instead, the shape of a decode-point compaction batch (6 requests x 32 layers x 8 KV heads
 folded into 1,536 heads, 1,152 held tokens each, as the engine scores them at decode budget 1024), with the
 held K/V token-major ([n, heads, D] contiguous) and head-major (each head's tokens contiguous), over a
-kernel-B launch grid.
+launch grid of kernels A and B.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer sizes (smoke run)")
     ap.add_argument("--sweep", action="store_true", help="kernel B / A launch-parameter sweep at 128K")
     ap.add_argument("--decode-point", action="store_true",
-                    help="a decode-point batch's shape, token-major against head-major K/V, kernel B launch grid")
+                    help="a decode-point batch's shape, token-major against head-major K/V, kernels A/B launch grid")
     ap.add_argument("--sweep-b", action="store_true",
                     help="kernel B launch sweep of the default (bf16x3) dropkv at 32K and 128K only")
     args = ap.parse_args()
@@ -307,7 +307,9 @@ def decode_point(args, meta, ceil):
     grid = [(None, "defaults")] + [
         (C(sub_n_b=sub, num_warps_b=nw, num_stages_b=st, max_sub_b=mx), f"B sub={sub} warps={nw} stages={st} max_sub={mx}")
         for sub, nw, st, mx in ((64, 4, 3, 2), (64, 4, 3, 4), (64, 8, 3, 8), (128, 8, 3, 4), (32, 4, 3, 8),
-                                (64, 4, 2, 8), (64, 4, 4, 8), (128, 4, 3, 2))]
+                                (64, 4, 2, 8), (64, 4, 4, 8), (128, 4, 3, 2))] + [
+        (C(block_n_a=bn, num_warps_a=nw, num_stages_a=st), f"A bn={bn} warps={nw} stages={st}")
+        for bn, nw, st in ((32, 4, 3), (128, 4, 3), (128, 8, 3), (64, 8, 4), (64, 4, 2))]
     rows = []
     for policy, w in (("dropkv", 8), ("snapkv", 32)):
         for head_major in (False, True):
