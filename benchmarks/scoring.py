@@ -313,7 +313,7 @@ def decode_point(args, meta, ceil):
     rows = []
     for policy, w in (("dropkv", 8), ("snapkv", 32)):
         for head_major in (False, True):
-            for cfg, label in grid if policy == "dropkv" else grid[:1]:
+            for cfg, label in grid if policy == "dropkv" and head_major else grid[:1]:  # the engine's layout swept
                 try:
                     r = bench_case(policy, n, w, H_q=4 * heads, H_kv=heads, config=cfg, do_naive=False, do_ref=False,
                                    head_major=head_major, check=False)
