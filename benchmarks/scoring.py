@@ -125,7 +125,7 @@ def bench_case(policy, n, w, *, H_q=32, H_kv=8, D=128, config=None, do_naive=Tru
     preps = []
     for q, k, v in sets:
         qb, kb, vb = q[None], k[None], v[None]
-        plan = ws._plan(policy, qb, kb, vb, None, "mean", config)
+        plan = ws._plan(policy, qb, kb, vb, None, "mean", config, None)
         fwd = ws._forward(plan, qb, kb, vb)  # (a, LSE, peak, peak_d2, peak_vd)
         out = torch.empty((1, H_kv, n), device="cuda", dtype=torch.float32)
         preps.append((plan, qb, kb, vb, fwd, out))
