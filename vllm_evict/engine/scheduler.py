@@ -416,10 +416,12 @@ class _EvictionSchedulerMixin:
         if self._vllm_needs_mamba_split:
             num_new_tokens = super()._mamba_block_aligned_split(
                 request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)
+        if num_new_tokens <= 1:  # one token never passes a point: every running request's decode step
+            return num_new_tokens
         ev = self.evictions.get(request.request_id)
         if ev is None or ev.swap_pending:
             return num_new_tokens
-        point = ev.schedule.point(ev.done)  # every scheduled request, every step: one call, no properties
+        point = ev.schedule.point(ev.done)
         if point is None:
             return num_new_tokens
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
