@@ -4,6 +4,7 @@ host copies it reads without a device sync."""
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -39,9 +40,18 @@ class WorkerEviction(FollowsSchedule):
     used_blocks: "HostCopy | None" = None  # Ada-KV under TP: the F' <= F fresh blocks its layout spans
     most_kept: "HostCopy | None" = None    # per-head layout: the most tokens a head kept at the last point
     fullest_offset: int | None = None      # most_kept less the last point's position, once on the host
+    # tokens written up to which a step has nothing to record or compact: its next point less its window
+    # (build_plan's test for every evicting row, every step)
+    quiet_until: float = field(init=False, default=math.inf)
 
     def __post_init__(self) -> None:
         self.blocks = self.blocks or (self.pages or 0)
+        self.uniform = self.spec.config.allocation == "uniform"
+        self._watch_next_point()
+
+    def _watch_next_point(self) -> None:
+        point = self.point
+        self.quiet_until = math.inf if point is None else point.at - max(self.window, 1)
 
     @property
     def deferred(self) -> bool:
@@ -104,6 +114,7 @@ class WorkerEviction(FollowsSchedule):
         if point.evicts and not self.stock_layout:  # a new per-head layout (stacked by `kept_most`): new tables
             self.serial = next(_SERIALS)
         self.done += 1
+        self._watch_next_point()
         self.q_window, self.fullest_offset = None, None  # last_at moved
         following = self.point
         step = self.window if following is None else following.at - point.at
@@ -132,7 +143,7 @@ class WorkerEviction(FollowsSchedule):
         the request is a stock request whose positions are shifted by `shift`. So is a request that has not
         been compacted yet (its points so far evicted nothing), and a failed compaction (no per-head layout
         to read) until the scheduler finishes the request with an error."""
-        return self.failed or self.spec.config.allocation == "uniform" or not self.layers
+        return self.failed or self.uniform or not self.layers
 
 
 class HostCopy:

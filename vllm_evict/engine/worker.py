@@ -172,8 +172,8 @@ class WorkerEvictionState:
         if not rows:
             return
         rows.sort(key=lambda item: item[0])
-        # every evicting row, every step: host lists, not numpy scalars, and a row between points costs a few
-        # comparisons
+        # every evicting row, every step: host lists, not numpy scalars, and a row before its next point's
+        # window costs a few comparisons
         token_starts = runner.query_start_loc.np[: num_reqs + 1].tolist()
         computed_tokens = batch.num_computed_tokens_cpu[:num_reqs].tolist()
         states: list[WorkerEviction | None] = [None] * num_reqs
@@ -191,14 +191,14 @@ class WorkerEvictionState:
                 if not state.stock_layout:
                     per_head_rows.append(row)
                     per_head_tokens.extend(range(token_start, token_start + count))
+            computed = computed_tokens[row]
+            end = computed + count
+            if end <= state.quiet_until:  # before its next point's window (or past its last point)
+                continue
             point = state.schedule.point(state.done)
             if point is None or state.failed:
                 continue
             point = point.at
-            computed = computed_tokens[row]
-            end = computed + count
-            if end < point and end <= point - state.window:  # before its window: nothing to record or compact
-                continue
             lo = max(computed, point - state.window)
             hi = min(end, point)
             if hi > lo:
