@@ -23,13 +23,51 @@ LAYERS, H, G, D, N = 32, 8, 4, 128, 16
 PROMPT, DECODE_BUDGET, DECODE_EVERY = 1024, 1024, 128
 
 
+BLOCKS_EACH = -(-(PROMPT + 4 * DECODE_EVERY) // N)  # a request's blocks: its prompt and four points' tokens
+
+
+class DecodePointBatch:
+    """R requests of PROMPT tokens with a decode budget of DECODE_BUDGET every DECODE_EVERY tokens, compacted
+    together at each of their decode points as the worker compacts them (compact_requests, then each per-head
+    request's kept_most) over `layers`, whose caches hold R * BLOCKS_EACH blocks (request r's are its own
+    consecutive run); `queries(window)` gives the window queries [L, w, Hq, D] a point reads."""
+
+    def __init__(self, config, layers: list, num_requests: int, queries, group_bytes: int) -> None:
+        from vllm_evict.engine.request_config import RequestEviction
+        from vllm_evict.engine.request_state import WorkerEviction
+
+        spec = RequestEviction(config, decode_budget=DECODE_BUDGET, decode_every=DECODE_EVERY)
+        self.states = [WorkerEviction.for_prompt(f"r{r}", spec, PROMPT, N) for r in range(num_requests)]
+        self.layers, self.queries, self.group_bytes = layers, queries, group_bytes
+        self.device = layers[0][1].device
+
+    def point(self) -> None:
+        from vllm_evict.engine import compaction
+
+        requests = []
+        for r, state in enumerate(self.states):
+            blocks = list(range(r * BLOCKS_EACH, (r + 1) * BLOCKS_EACH))
+            state.prompt_block_ids = blocks[: -(-(state.point.at - state.shift) // N)]
+            state.fresh_blocks = blocks[: state.written_blocks]
+            if state.window:
+                state.q_window = self.queries(state.window)
+            requests.append((state, torch.tensor(state.prompt_block_ids, device=self.device),
+                             torch.tensor(state.fresh_blocks, device=self.device)))
+        compaction.compact_requests(requests, self.layers, D ** -0.5, group_bytes=self.group_bytes)
+        for state in self.states:
+            if not state.stock_layout:
+                state.kept_most()
+
+    def advance(self) -> None:
+        for state in self.states:
+            state.advance()
+
+
 def count(policy: str, allocation: str, num_requests: int) -> dict:
     from torch.profiler import profile
 
     from vllm_evict.engine import compaction
     from vllm_evict.engine.cpu_backend import CpuPagedCache
-    from vllm_evict.engine.request_config import RequestEviction
-    from vllm_evict.engine.request_state import WorkerEviction
     from vllm_evict.policies import EvictionConfig
 
     def scores(policy, q_window, keys, values, lengths=None, **options):  # what the fused kernel returns
@@ -43,32 +81,15 @@ def count(policy: str, allocation: str, num_requests: int) -> dict:
     CpuPagedCache.write_layers = staticmethod(lambda caches, keys, values, slots: None)
     compaction.score_tokens = scores
     config = EvictionConfig.from_dict({"policy": policy, "allocation": allocation}, budget_required=False)
-    blocks_each = -(-(PROMPT + 4 * DECODE_EVERY) // N)
-    layers = [(i, CpuPagedCache(torch.zeros(num_requests * blocks_each, H, N, 2 * D), "vec16", 1.0, 1.0, "auto"))
+    layers = [(i, CpuPagedCache(torch.zeros(num_requests * BLOCKS_EACH, H, N, 2 * D), "vec16", 1.0, 1.0, "auto"))
               for i in range(LAYERS)]
-    spec = RequestEviction(config, decode_budget=DECODE_BUDGET, decode_every=DECODE_EVERY)
-    states = [WorkerEviction.for_prompt(f"r{r}", spec, PROMPT, N) for r in range(num_requests)]
-
-    def point():
-        requests = []
-        for r, state in enumerate(states):
-            blocks = list(range(r * blocks_each, (r + 1) * blocks_each))
-            state.prompt_block_ids = blocks[: -(-(state.point.at - state.shift) // N)]
-            state.fresh_blocks = blocks[: state.written_blocks]
-            if state.window:
-                state.q_window = torch.randn(LAYERS, state.window, H * G, D)
-            requests.append((state, torch.tensor(state.prompt_block_ids), torch.tensor(state.fresh_blocks)))
-        compaction.compact_requests(requests, layers, D ** -0.5, group_bytes=1 << 40)
-        for state in states:
-            if not state.stock_layout:
-                state.kept_most()
-
+    batch = DecodePointBatch(config, layers, num_requests, lambda w: torch.randn(LAYERS, w, H * G, D),
+                             group_bytes=1 << 40)
     for _ in range(2):
-        point()
-        for state in states:
-            state.advance()
+        batch.point()
+        batch.advance()
     with profile() as prof:
-        point()
+        batch.point()
     ops = collections.Counter(event.name for event in prof.events() if event.cpu_parent is None)
     return {"policy": policy, "allocation": allocation, "requests": num_requests, "ops": sum(ops.values()),
             "most": ops.most_common(5)}

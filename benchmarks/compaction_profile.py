@@ -97,62 +97,44 @@ def decode_points(policy: str, allocation: str, num_requests: int, repeats: int)
     Ada-KV's stacked layouts as the worker reads them), by kernel."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    from vllm_evict.engine import compaction
+    from compaction_launches import BLOCKS_EACH, DecodePointBatch
     from vllm_evict.engine.cuda_backend import CudaPagedCache
-    from vllm_evict.engine.request_config import RequestEviction
-    from vllm_evict.engine.request_state import WorkerEviction
     from vllm_evict.kernels.window_scores import window_scores
     from vllm_evict.policies import EvictionConfig, register_raw_kernel
 
     register_raw_kernel(window_scores)
-    prompt, budget, every = 1024, 1024, 128
     dev, dt = "cuda", torch.bfloat16
     config = EvictionConfig.from_dict({"policy": policy, "allocation": allocation}, budget_required=False)
-    blocks_each = -(-(prompt + 4 * every) // N)
     one = torch.ones((), device=dev)
-    layers = [(i, CudaPagedCache(torch.randn(num_requests * blocks_each, H, N, 2 * D, device=dev, dtype=dt), D,
+    layers = [(i, CudaPagedCache(torch.randn(num_requests * BLOCKS_EACH, H, N, 2 * D, device=dev, dtype=dt), D,
                                  "auto", one, one)) for i in range(LAYERS)]
-    spec = RequestEviction(config, decode_budget=budget, decode_every=every)
-    states = [WorkerEviction.for_prompt(f"r{r}", spec, prompt, N) for r in range(num_requests)]
     queries = {}  # window queries by window length, made once (outside the timed spans)
 
-    def point():
-        requests = []
-        for r, state in enumerate(states):
-            blocks = list(range(r * blocks_each, (r + 1) * blocks_each))
-            state.prompt_block_ids = blocks[: -(-(state.point.at - state.shift) // N)]
-            state.fresh_blocks = blocks[: state.written_blocks]
-            if state.window:
-                if state.window not in queries:
-                    queries[state.window] = torch.randn(LAYERS, state.window, H * G, D, device=dev, dtype=dt)
-                state.q_window = queries[state.window]
-            requests.append((state, torch.tensor(state.prompt_block_ids, device=dev),
-                             torch.tensor(state.fresh_blocks, device=dev)))
-        torch.cuda.synchronize()
-        compaction.compact_requests(requests, layers, D ** -0.5, group_bytes=DECODE_GROUP_BYTES)
-        for state in states:
-            if not state.stock_layout:
-                state.kept_most()
+    def window_queries(w: int) -> torch.Tensor:
+        if w not in queries:
+            queries[w] = torch.randn(LAYERS, w, H * G, D, device=dev, dtype=dt)
+        return queries[w]
 
+    batch = DecodePointBatch(config, layers, num_requests, window_queries, DECODE_GROUP_BYTES)
     for _ in range(2):  # the first two points (compiles), then the third, timed from the same layouts
-        point()
-        for state in states:
-            state.advance()
-    saved = [(s.layers, s.shift) for s in states]
+        batch.point()
+        batch.advance()
+    saved = [(s.layers, s.shift) for s in batch.states]
 
     def timed() -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
         start.record()
-        point()
+        batch.point()
         end.record()
         torch.cuda.synchronize()
-        for state, (kept_layers, shift) in zip(states, saved):
+        for state, (kept_layers, shift) in zip(batch.states, saved):
             state.layers, state.shift = kept_layers, shift
         return start.elapsed_time(end)
 
     spans = [timed() for _ in range(repeats)]
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        point()
+        batch.point()
         torch.cuda.synchronize()
     kernels = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
     busy = sum(e.self_device_time_total for e in kernels)

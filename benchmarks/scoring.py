@@ -266,10 +266,8 @@ def main():
             grid.append(("obcache-joint", 32, n, "defaults", C(precision=prec)))
     sweep = []
     for policy, w, n, label, cfg in grid:
-        try:
-            r = bench_case(policy, n, w, config=cfg, do_naive=False, do_ref=False)
-        except Exception as e:  # noqa: BLE001 - a config may not compile
-            print(f"sweep {policy} n={n} {cfg.precision} {label}: {type(e).__name__}: {e}"[:300], flush=True)
+        r = launch_case(f"sweep {policy} n={n} {cfg.precision} {label}", policy, n, w, config=cfg)
+        if r is None:
             continue
         r["label"] = label
         sweep.append(r)
@@ -300,6 +298,16 @@ def main():
         json.dump(dict(meta=meta, ceilings=ceil, rows=rows, sweep=sweep), f, indent=1)
 
 
+def launch_case(label, policy, n, w, **kwargs):
+    """bench_case of one launch configuration, without the naive and reference timings; None (and a line
+    saying why) for a configuration that does not compile or launch."""
+    try:
+        return bench_case(policy, n, w, do_naive=False, do_ref=False, **kwargs)
+    except Exception as e:  # noqa: BLE001 - a config may not compile
+        print(f"{label}: {type(e).__name__}: {e}"[:300], flush=True)
+        return None
+
+
 def decode_point(args, meta, ceil):
     """--decode-point: kernels A + C and B at a decode-point batch's shape, both K/V layouts."""
     C = ws.WindowScoreConfig
@@ -314,11 +322,9 @@ def decode_point(args, meta, ceil):
     for policy, w in (("dropkv", 8), ("snapkv", 32)):
         for head_major in (False, True):
             for cfg, label in grid if policy == "dropkv" and head_major else grid[:1]:  # the engine's layout swept
-                try:
-                    r = bench_case(policy, n, w, H_q=4 * heads, H_kv=heads, config=cfg, do_naive=False, do_ref=False,
-                                   head_major=head_major, check=False)
-                except Exception as e:  # noqa: BLE001 - a config may not compile
-                    print(f"{policy} {label}: {type(e).__name__}: {e}"[:300], flush=True)
+                r = launch_case(f"{policy} {label}", policy, n, w, H_q=4 * heads, H_kv=heads, config=cfg,
+                                head_major=head_major, check=False)
+                if r is None:
                     continue
                 r["label"] = label
                 rows.append(r)
