@@ -805,6 +805,16 @@ TURBOQUANT = {preset: ["--kv-cache-dtype", f"turboquant_{preset}"] for preset in
 # mechanics under eviction, not a trained model's acceptance
 NGRAM = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4,
                                              "prompt_lookup_max": 4, "prompt_lookup_min": 2})]
+# vLLM's EAGLE drafter with a one-layer draft of the target's shape (dummy weights; its KV cache is compacted with
+# the target's), 3 draft tokens. A dummy draft's tokens are never the target's, so vLLM's synthetic rejection
+# sampling (CUDA only) accepts drafts at a mean acceptance length of 2.5 tokens a step in both engines: the cost
+# of a draft model and its cache beside eviction, not a trained draft's acceptance. run_plan writes the draft's
+# config beside the target's and puts its path where EAGLE_DRAFT stands.
+EAGLE_DRAFT = "eagle-draft-of-the-target"
+EAGLE = ["--speculative-config", json.dumps({"method": "eagle", "model": EAGLE_DRAFT, "num_speculative_tokens": 3,
+                                             "draft_load_config": {"load_format": "dummy"},
+                                             "rejection_sample_method": "synthetic",
+                                             "synthetic_acceptance_length": 2.5})]
 BLOCKWISE_POOL = ["--kv-cache-memory-bytes", str(8 << 30), "--memory-lengths", "32768", "65000", "131000"]
 
 
@@ -940,6 +950,11 @@ PLANS = {
         ("vanilla", "decode", REASONING_ARGS + NGRAM, 300),
         ("evict", "decode", REASONING_ARGS + NGRAM + _decode_configs({"policy": "dropkv", "decode_budget": 1024}),
          240)],
+    # the same with an EAGLE draft model and synthetic acceptance in both engines (GPU only)
+    "reasoning-1k-4k-1024-eagle": [
+        ("vanilla", "decode", REASONING_ARGS + EAGLE, 300),
+        ("evict", "decode", REASONING_ARGS + EAGLE + _decode_configs({"policy": "dropkv", "decode_budget": 1024}),
+         240)],
     # memory-bounded prefill on a pool capped at 64K tokens: vanilla against no / one-shot / block-wise KeyDiff
     # at 16K tokens per head, one request at a time (peak blocks, prefill time, longest servable prompt)
     "blockwise-memory-64k-pool": [
@@ -1008,13 +1023,17 @@ def run_plan(args) -> int:
     combined = []
     import torch
 
-    from vllm_evict.testing.tiny_models import write_real_config
+    from vllm_evict.testing.tiny_models import tiny_eagle_draft, write_real_config
 
     config = PLAN_MODELS.get(args.plan, "llama-3.1-8b")
-    model = ["--model", str(write_real_config(config, Path(args.workdir)))] if torch.cuda.is_available() else []
+    target = write_real_config(config, Path(args.workdir)) if torch.cuda.is_available() else None
+    model = ["--model", str(target)] if target else []
     for i, (engine, suite, extra, seconds) in enumerate(PLANS[args.plan]):
         if (args.engines and engine not in args.engines) or (args.entries and i not in args.entries):
             continue
+        if target and any(EAGLE_DRAFT in arg for arg in extra):  # the draft's config, beside the target's
+            draft = json.dumps(str(tiny_eagle_draft(target)))
+            extra = [arg.replace(json.dumps(EAGLE_DRAFT), draft) for arg in extra]
         out = out_dir / f"{args.plan}_{i}_{engine}_{suite.replace(',', '-')}.json"
         cmd = [sys.executable, __file__, "one", "--engine", engine, "--suite", suite, "--out", str(out),
                "--time-limit", str(seconds - 60), *model, *extra, *passed]
