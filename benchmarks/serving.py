@@ -806,7 +806,7 @@ TURBOQUANT = {preset: ["--kv-cache-dtype", f"turboquant_{preset}"] for preset in
 NGRAM = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4,
                                              "prompt_lookup_max": 4, "prompt_lookup_min": 2})]
 # vLLM's EAGLE drafter with a one-layer draft of the target's shape (dummy weights; its KV cache is compacted with
-# the target's), 3 draft tokens. A dummy draft's tokens are never the target's, so vLLM's synthetic rejection
+# the target's), 3 draft tokens. A dummy draft's tokens are almost never the target's, so vLLM's synthetic rejection
 # sampling (CUDA only) accepts drafts at a mean acceptance length of 2.5 tokens a step in both engines: the cost
 # of a draft model and its cache beside eviction, not a trained draft's acceptance. run_plan writes the draft's
 # config beside the target's and puts its path where EAGLE_DRAFT stands.
