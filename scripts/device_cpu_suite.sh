@@ -20,11 +20,10 @@ if [ ! -f $SITE/READY ]; then
   cp .vllm-cpu/libnuma.so.1 $SITE/lib/
   touch $SITE/READY
 fi
-d=/tmp/vsite-evict/vllm_evict-0.1.0.dist-info p=/tmp/vsite-evict/vllm_evict
+d=/tmp/vsite-evict/vllm_evict-0.1.0.dist-info
 mkdir -p $d
 printf 'Metadata-Version: 2.1\nName: vllm-evict\nVersion: 0.1.0\n' > $d/METADATA
 printf '[vllm.general_plugins]\nvllm_evict = vllm_evict.engine.plugin:register\n' > $d/entry_points.txt
-rm -rf $p && mkdir -p $p && ln -s "$PWD"/vllm_evict/* $p/ && ln -s "$PWD/kernels" "$PWD/server" $p/
 export PYTHONPATH=/tmp/vsite-evict:$PWD:$SITE LD_LIBRARY_PATH=$SITE/lib:${LD_LIBRARY_PATH:-} CUDA_VISIBLE_DEVICES= \
   PYTHONUNBUFFERED=1
 lscpu | grep -E "Model name|^CPU\(s\)|Flags" | sed 's/Flags:/Flags (avx512\/amx):/; s/ [a-z0-9_]*//g' | head -3

@@ -46,16 +46,30 @@ def test_setup_pins_the_supported_version():
     assert f'"vllm=={SUPPORTED_VLLM_VERSION}"' in (ROOT / "pyproject.toml").read_text()
 
 
-def test_kernels_and_server_install_under_the_package_namespace(tmp_path):
-    """kernels/ and server/ import as vllm_evict.kernels / vllm_evict.server from the installed package
-    (pyproject package-dir), and install no generic top-level `kernels` or `server` (HF's
-    `kernels` distribution uses that name). Run outside the checkout, so the source tree is not on the path."""
+def _origins(cwd, *names):
+    """Where `python -c` run in `cwd` (first on its path) finds each top-level module: its origin, or None."""
     import subprocess
     import sys
 
     code = ("import importlib.util as u, vllm_evict.kernels.window_scores, vllm_evict.server.metrics\n"
-            "print(u.find_spec('kernels'), u.find_spec('server'))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+            f"for n in {names!r}: s = u.find_spec(n); print(s and s.origin)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["None", "None"]
+    return out.stdout.split()
+
+
+def test_kernels_and_server_install_under_the_package_namespace(tmp_path):
+    """kernels/ and server/ import as vllm_evict.kernels / vllm_evict.server from the installed package
+    (vllm_evict/ links to them), and install no generic top-level `kernels` or `server` (HF's `kernels`
+    distribution uses that name; it may be installed). Run outside the checkout, so the source tree is not on
+    the path."""
+    for name, origin in zip(("kernels", "server"), _origins(tmp_path, "kernels", "server")):
+        assert origin == "None" or not origin.startswith(str(ROOT / name)), origin
+
+
+def test_the_checkout_does_not_shadow_hugging_face_kernels():
+    """From the repository root (`python -m`, pytest put it first on the path) a top-level `kernels` is not
+    this checkout's kernels/: transformers imports Hugging Face's `kernels` by that name."""
+    (origin,) = _origins(ROOT, "kernels")
+    assert origin == "None" or not origin.startswith(str(ROOT / "kernels")), origin

@@ -72,8 +72,7 @@ evict_cli() {  # from /tmp: the checkout's own vllm_evict/ (no kernels/, server/
 
 setup_device() {  # device: vLLM bundle and GGUF staged; the plugin on the path; the HF model converted once
   [ -f "$STAGE/$GGUF_NAME" ] || { echo "GGUF missing: stage .quality-gpu/part1 and part2 first"; exit 2; }
-  # vLLM from the bundle, and vllm-evict in its installed layout (kernels/ and server/ as vllm_evict.kernels /
-  # .server, which the CUDA backend imports) with a dist-info for its `vllm.general_plugins` entry point
+  # vLLM from the bundle, and this checkout with a dist-info for its `vllm.general_plugins` entry point
   # shellcheck source=tools/device/device_env.sh
   source tools/device/device_env.sh || exit 2
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$STAGE/site" \
