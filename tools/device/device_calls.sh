@@ -16,8 +16,8 @@
 #
 # usage: [COMMIT=sha] [STAGE_GGUF=.quality-gpu/partK] [RUN_TESTS=1 [GPU_TESTS="..."]] [BUDGET_S=575] \
 #          bash tools/device/device_calls.sh [PLAN...]
-# Engines start from /tmp: from the checkout's root a spawned interpreter would import its vllm_evict/ (no
-# kernels/ inside) before the installed layout. SERVING_ARGS: more `serving.py run` arguments (--entries 1).
+# Engines start from /tmp, so the checkout reaches their interpreters only through PYTHONPATH (device_env.sh)
+# and never a vanilla one. SERVING_ARGS: more `serving.py run` arguments (--entries 1).
 # PLAN: a serving.py plan; fp8-needle (quality_gpu.sh); or profile-NAME, a profile_engine.py run (PROFILES below).
 # RUN_TESTS=1 runs the GPU tests first (GPU_TESTS: pytest arguments; default the per-head and CUDA-graph engine
 # tests), from /tmp with the checkout appended to sys.path.
@@ -67,7 +67,7 @@ rm -rf "$raw" && mkdir -p "$raw"
   echo "commit: ${COMMIT:-not given; the git log of the device copy says $(git log -1 --format=%h 2>/dev/null)}"
   echo "plans: $*"; } > "$OUT/info.txt"
 cat "$OUT/info.txt"
-if [ "${RUN_TESTS:-0}" = 1 ]; then  # from /tmp: the installed-layout mirror first
+if [ "${RUN_TESTS:-0}" = 1 ]; then  # from /tmp, as the engines
   (repo=$PWD; cd /tmp && timeout -k 10 $(($(left) - 60)) python3 -m pytest -q -p no:cacheprovider \
     --import-mode=append --rootdir "$repo" -rfE --tb=short \
     ${GPU_TESTS:-$repo/tests/engine/test_cuda_per_head.py $repo/tests/engine/test_cuda_graphs.py}) \

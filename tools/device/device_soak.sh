@@ -21,8 +21,8 @@ model=$(python3 -c "from vllm_evict.testing.tiny_models import write_real_config
 port=${SOAK_PORT:-8000}
 # shellcheck disable=SC2206  # SOAK_ENGINE_ARGS is a list of flags
 args=("$model" --load-format dummy --max-model-len 8192 --port "$port" --shutdown-timeout 45 ${SOAK_ENGINE_ARGS:-})
-# Both from /tmp: `python3 -m` puts the working directory first on sys.path. The checkout's vllm_evict/ has no
-# .server or .kernels (device_env.sh's installed-layout mirror has both), and vanilla must not see it at all.
+# Both from /tmp: `python3 -m` puts the working directory first on sys.path, and vanilla must not see the
+# checkout at all.
 if [ "$engine" = evict ]; then
   (cd /tmp && exec python3 -m vllm_evict.cli serve "${args[@]}") > "$dir/server_$engine.log" 2>&1 &
   mix=mixed

@@ -66,7 +66,7 @@ GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 MODEL_DIR=$STAGE/models/SmolLM2-135M-Instruct
 WORK=/tmp/quality
 
-evict_cli() {  # from /tmp: the checkout's own vllm_evict/ (no kernels/, server/) must not shadow the installed layout
+evict_cli() {  # from /tmp, as device_calls.sh starts engines: the checkout only through PYTHONPATH
   (cd /tmp && python3 -m vllm_evict.cli "$@")
 }
 

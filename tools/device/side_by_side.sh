@@ -26,7 +26,7 @@ job_command() {  # the shell command of one JOB
   name=$(echo "$job" | tr ':,/ $#' '______')
   if [[ $job == test:* ]]; then
     args=${job#test:}
-    # from /tmp, the checkout appended to sys.path: the installed-layout mirror first (as device_calls.sh)
+    # from /tmp, the checkout appended to sys.path (as device_calls.sh)
     echo "cd /tmp && python3 -m pytest -q -p no:cacheprovider --import-mode=append --rootdir $PWD -rfE \
 --tb=short $(for a in ${args//,/ }; do [[ $a == tests/* ]] && echo "$PWD/$a" || echo "$a"; done | tr '\n' ' ')"
   elif [[ $job == py:* ]]; then
@@ -35,7 +35,7 @@ job_command() {  # the shell command of one JOB
     mkdir -p "$OUT/$name"
     echo "cd /tmp && python3 $PWD/${args//\$OUT/$OUT/$name}"
   else
-    # from /tmp too: vLLM's model-inspection subprocess must not find the checkout's vllm_evict/ in its cwd
+    # from /tmp too: a vanilla engine's model-inspection subprocess (run with -m) must not find the checkout
     local engine=${job##*:} entries=""
     [[ $engine == *#* ]] && entries="--entries ${engine#*#}" && engine=${engine%%#*}
     echo "cd /tmp && python3 $PWD/benchmarks/serving.py run --plan ${job%%:*} --engines $engine $entries --out-dir /tmp/side/$name ${SERVING_EXTRA:+-- $SERVING_EXTRA}"
