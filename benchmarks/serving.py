@@ -131,6 +131,8 @@ class Driver:
         self.counter = 0
         self.vocab = 1000
         self.scheduled = (0, 0)  # the last step's (tokens, requests), read off the scheduler's output
+        self.preemptions = 0  # requests preempted so far, read off the scheduler's outputs
+        self.prefilling_after = None  # prefilling() after the last step: the next step's "before"
         # --step-trace: the last step's host time in schedule, execute_model, update_from_output, and (vllm-evict,
         # in process) the requests it compacted and its attention
         self.host_ms = [0.0, 0.0, 0.0]
@@ -152,6 +154,7 @@ class Driver:
         def counted_schedule(*a, **kw):
             output = timed_schedule(*a, **kw)
             self.scheduled = (output.total_num_scheduled_tokens, len(output.num_scheduled_tokens))
+            self.preemptions += len(output.preempted_req_ids or ())
             return output
 
         timed_schedule = timed(0, schedule)
@@ -184,6 +187,7 @@ class Driver:
         rid = f"q{self.counter}"
         self.counter += 1
         extra = {"vllm_evict": eviction} if eviction else None
+        self.prefilling_after = None
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, detokenize=False,
                             output_kind=RequestOutputKind.DELTA, extra_args=extra)
         self.engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
@@ -196,19 +200,21 @@ class Driver:
         """One engine step: (outputs, seconds, new tokens, decode_only). decode_only: no request was
         prefilling before or after the step and none was admitted (queued requests may be waiting)."""
         running = len(self.scheduler.running)
-        decode_only = self.prefilling() == 0
+        before = self.prefilling() if self.prefilling_after is None else self.prefilling_after
         self.host_ms, self.plan = [0.0, 0.0, 0.0], [0, 0]
         t0 = time.perf_counter()
         outs = self.engine.step()
         dt = time.perf_counter() - t0
         new = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs)
-        decode_only = decode_only and self.prefilling() == 0 and len(self.scheduler.running) <= running
+        self.prefilling_after = self.prefilling()
+        decode_only = before == 0 and self.prefilling_after == 0 and len(self.scheduler.running) <= running
         return outs, dt, new, decode_only
 
     def drain(self, ids: list[str]) -> None:
         self.engine.abort_request(ids)
         while self.engine.has_unfinished_requests():
             self.engine.step()
+        self.prefilling_after = None
 
 
 def eviction_of(args, budget: float | None = None, allocation: str | None = None) -> dict | None:
@@ -303,6 +309,7 @@ def run_load(args, drv: Driver, deadline: float, num_requests: int, max_tokens: 
     max_running = 0
     capacity = None
     preempted = False
+    preemptions = drv.preemptions  # a request of this run preempted: the count has grown
     last_admission = 0
     stop_reason = "all requests finished"
     latency = []
@@ -330,7 +337,7 @@ def run_load(args, drv: Driver, deadline: float, num_requests: int, max_tokens: 
         if running > before:
             last_admission = steps
         if not preempted:
-            preempted = any(r.num_preemptions for r in list(drv.scheduler.running) + list(drv.scheduler.waiting))
+            preempted = drv.preemptions > preemptions
             if preempted:
                 capacity = max_running
             else:

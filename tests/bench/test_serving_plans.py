@@ -40,11 +40,11 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tools
 
 def test_every_documented_workload_exists(serving):
     """Every `--plan NAME` and every workload of `device_calls.sh NAME ...` in the docs names an entry of the
-    registry (serving.py's PLANS, or device_calls.sh's own profile runs and fp8-needle)."""
+    registry (serving.py's PLANS, or device_calls.sh's own profile runs and needle-kv)."""
     script = (ROOT / "tools" / "device" / "device_calls.sh").read_text()
     profiles = set(re.findall(r"^\s*\[([a-z0-9-]+)\]=", script, re.M))
     assert {"profile-order", "profile-splits", "profile-adakv-decode"} <= profiles
-    known = set(serving.PLANS) | profiles | {"fp8-needle"}
+    known = set(serving.PLANS) | profiles | {"needle-kv"}
     named = {}
     for doc in DOCS:
         text = doc.read_text()

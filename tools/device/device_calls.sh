@@ -17,14 +17,15 @@
 # usage: [COMMIT=sha] [STAGE_GGUF=.quality-gpu/partK] [RUN_TESTS=1 [GPU_TESTS="..."]] [BUDGET_S=575] \
 #          bash tools/device/device_calls.sh [PLAN...]
 # Engines start from /tmp, so the checkout reaches their interpreters only through PYTHONPATH (device_env.sh)
-# and never a vanilla one. SERVING_ARGS: more `serving.py run` arguments (--entries 1).
-# PLAN: a serving.py plan; fp8-needle (quality_gpu.sh); or profile-NAME, a profile_engine.py run (PROFILES below).
+# and never a vanilla one. SERVING_ARGS: more `serving.py run` arguments (`-- --step-trace`).
+# PLAN: a serving.py plan, or PLAN@I,J for some of its entries (serving.py's --entries I J); needle-kv
+# (quality_gpu.sh); or profile-NAME, a profile_engine.py run (PROFILES below).
 # RUN_TESTS=1 runs the GPU tests first (GPU_TESTS: pytest arguments; default the per-head and CUDA-graph engine
 # tests), from /tmp with the checkout appended to sys.path.
 # Every plan runs under `timeout` so that the call ends inside the device's 600 s and its files come back
 # (at most 8 files per call): $OUT/info.txt (GPU, commit, what ran), per plan $OUT/PLAN.json (every engine's
 # result; a partial one is assembled from the engines that finished if the plan was cut) and $OUT/PLAN.log
-# (the plan's output less warnings), fp8-needle's two tables and archive, and $OUT/raw.tgz with the rest
+# (the plan's output less warnings), needle-kv's two tables and archive, and $OUT/raw.tgz with the rest
 # (per-engine JSONs, GPU test log, profile tables).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -73,7 +74,11 @@ if [ "${RUN_TESTS:-0}" = 1 ]; then  # from /tmp, as the engines
     ${GPU_TESTS:-$repo/tests/engine/test_cuda_per_head.py $repo/tests/engine/test_cuda_graphs.py}) \
     > "$raw/gpu_tests.log" 2>&1; grep -E "^(FAILED|ERROR|E  )|passed|failed" "$raw/gpu_tests.log" | cut -c1-600 | tail -30
 fi
-for plan in "$@"; do
+for spec in "$@"; do
+  plan=${spec%@*}
+  entries=()
+  [ "$spec" = "$plan" ] || entries=(--entries ${spec#*@})
+  entries=("${entries[@]//,/ }")
   t=$(($(left) - 15))
   if [ "$t" -lt 90 ]; then echo "device_calls: $plan skipped ($t s left)" | tee -a "$OUT/info.txt"; continue; fi
   echo "device_calls: $plan ($t s left)" | tee -a "$OUT/info.txt"
@@ -86,15 +91,15 @@ for plan in "$@"; do
     rc=$?
     grep -E '^\{|^###|Traceback|Error' "$raw/$plan.log" | cut -c1-400 | tail -20
     cp -f "$raw/$plan.log" "$OUT/$plan.log"
-  elif [ "$plan" = fp8-needle ]; then
+  elif [ "$plan" = needle-kv ]; then
     STOP_AFTER=${STOP_AFTER:-$(( t - 200 < 300 ? t - 200 : 300 ))} timeout -k 10 "$t" \
-      bash tools/device/quality_gpu.sh fp8-needle 2>&1 | grep -v "Warning\|warn(" > "$raw/$plan.log"
+      bash tools/device/quality_gpu.sh needle-kv 2>&1 | grep -v "Warning\|warn(" > "$raw/$plan.log"
     rc=$?
     grep -E "^quality:|^\[needle|Traceback|Error" "$raw/$plan.log" | cut -c1-400 | tail -20
     cp -f "$raw/$plan.log" "$OUT/$plan.log"
   else
     (repo=$PWD; cd /tmp && timeout -k 10 "$t" python3 "$repo/benchmarks/serving.py" run --plan "$plan" \
-      --out-dir "$raw" ${SERVING_ARGS:-} 2>&1) | grep -v "Warning\|warn(" > "$raw/$plan.log"
+      --out-dir "$raw" ${entries[*]} ${SERVING_ARGS:-} 2>&1) | grep -v "Warning\|warn(" > "$raw/$plan.log"
     rc=$?
     grep -E '^\{|^-> rc' "$raw/$plan.log" | cut -c1-400
     cp -f "$raw/$plan.log" "$OUT/$plan.log"

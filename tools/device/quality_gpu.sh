@@ -22,7 +22,7 @@
 #
 # Needle accuracy at 10% with an fp8 KV cache against a bf16 cache, same samples (one call, ~200 s
 # on a warm machine with the bundle and both GGUF parts staged):
-#     run(command="bash tools/device/quality_gpu.sh fp8-needle")
+#     run(command="bash tools/device/quality_gpu.sh needle-kv")
 # It runs passkey, niah_single, niah_multikey and niah_multivalue at 4096 tokens, 24 samples each (seed 0, so
 # the same prompts for both caches), question-aware, uniform, SnapKV / DropKV / KeyDiff at budget 0.1 and the
 # full cache (1.0) as control: 96 samples x 4 settings = 384 requests per cache dtype, WORKERS=3 engines per
@@ -178,7 +178,7 @@ run)      # device: convert (once per machine), then evaluate for at most STOP_A
   fi
   finish $rc
   ;;
-fp8-needle)  # device: the needle tasks at 10% with a bf16 and an fp8 KV cache, same samples, at once
+needle-kv)  # device: the needle tasks at 10% on each KV-cache dtype of KV_DTYPES (default bf16 and fp8), same samples, at once
   # Both cache dtypes run side by side (WORKERS engines each), then merge into needle_kv_auto.* and
   # needle_kv_fp8.* (NAME_PREFIX). What comes back: $OUT/<name>.md for each, and $OUT/needle_kv.tgz with every
   # table, request log and shard log (a call returns at most 8 files).
