@@ -744,7 +744,8 @@ def run_one(args) -> dict:
         if args.kv_cache_dtype.startswith("turboquant_"):  # vLLM's V1 runner cannot shape a TurboQuant cache:
             os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)  # vLLM's own choice of runner
     engine, start_s = make_engine(args)
-    deadline = time.time() + args.time_limit  # for the measurements: a slow engine start cuts none short
+    # for the measurements: a slow engine start cuts none short, unless the plan's budget (--stop-by) ends first
+    deadline = min(time.time() + args.time_limit, args.stop_by or float("inf"))
     import torch
 
     sched = engine.engine_core.engine_core.scheduler
@@ -890,11 +891,12 @@ PLANS = {
                                               "--capacity-configs", "0.1:uniform"] + PER_TOKEN_HEAD[bits], 300)]
        for bits, requests in (("int8", 72), ("fp8", 72), ("int4", 144))},
     # vanilla on a TurboQuant cache (about 2.8x-3.3x bf16's tokens with its model-dtype boundary layers), DropKV
-    # 10% on it
+    # 10% on it; an engine a device call (H200: the evicting engine took 200 s to start, Triton compiling
+    # TurboQuant's kernels while CUDA graphs are captured)
     **{f"capacity-32k-turboquant-{preset.replace('_', '-')}": [
-        ("vanilla", "capacity", CAPACITY_32K + ["--num-requests", "120"] + TURBOQUANT[preset], 300),
+        ("vanilla", "capacity", CAPACITY_32K + ["--num-requests", "120"] + TURBOQUANT[preset], 480),
         ("evict", "capacity", CAPACITY_32K + ["--max-num-seqs", "2048", "--shared-prefix",
-                                              "--capacity-configs", "0.1:uniform"] + TURBOQUANT[preset], 300)]
+                                              "--capacity-configs", "0.1:uniform"] + TURBOQUANT[preset], 480)]
        for preset in TURBOQUANT},
     # decode throughput at capacity and end to end at 16K, bf16 against fp8 cache (--shared-prefix: load only)
     "capacity-e2e-bf16": [("vanilla", "load,e2e", AT_CAPACITY_32K + E2E_16K, 280),
@@ -1042,15 +1044,22 @@ def run_plan(args) -> int:
             draft = json.dumps(str(tiny_eagle_draft(target)))
             extra = [arg.replace(json.dumps(EAGLE_DRAFT), draft) for arg in extra]
         out = out_dir / f"{args.plan}_{i}_{engine}_{suite.replace(',', '-')}.json"
+        # the engine's measurements end by its budget or the plan's (--stop-by), whichever comes first, and it
+        # is killed only 30 s after that (time to write its result)
+        stop_by = min(time.time() + seconds + 30, args.stop_by or float("inf"))
+        if stop_by - time.time() < 60:
+            print(f"-> {engine} skipped: {stop_by - time.time():.0f} s of the plan's budget left", flush=True)
+            combined.append({"engine": engine, "suite": suite, "failed": "skipped: the plan's budget ran out"})
+            continue
         cmd = [sys.executable, __file__, "one", "--engine", engine, "--suite", suite, "--out", str(out),
-               "--time-limit", str(seconds - 60), *model, *extra, *passed]
+               "--time-limit", str(seconds - 60), "--stop-by", str(round(stop_by)), *model, *extra, *passed]
         print("$", f"PYTHONPATH={vanilla_path()} " * (engine == "vanilla") + " ".join(cmd), flush=True)
         t0 = time.time()
         env = dict(os.environ)
         if engine == "vanilla":  # stock vLLM: the vLLM bundle only, neither the plugin's dist-info nor this checkout
             env["PYTHONPATH"] = vanilla_path()
         try:
-            rc = subprocess.run(cmd, timeout=seconds + 60, env=env).returncode
+            rc = subprocess.run(cmd, timeout=stop_by + 30 - time.time(), env=env).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         print(f"-> rc {rc} in {time.time() - t0:.0f} s", flush=True)
@@ -1132,6 +1141,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run only these engines of the plan (e.g. one per GPU, side by side)")
     r.add_argument("--entries", nargs="+", type=int, default=None,
                    help="run only these entries of the plan, by position (0: the first engine run)")
+    r.add_argument("--stop-by", type=float, default=None,
+                   help="epoch seconds by which every engine of the plan has ended its measurements")
     r.add_argument("extra", nargs=argparse.REMAINDER, help="passed to every engine run")
     o = sub.add_parser("one", help="one engine, one suite")
     o.add_argument("--engine", choices=["vanilla", "evict"], required=True)
@@ -1190,6 +1201,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--memory-policy", default="keydiff", help="suite memory: the policy, one-shot and block-wise")
     o.add_argument("--chunk-size", type=int, default=512, help="block-wise chunk (suite memory)")
     o.add_argument("--time-limit", type=float, default=540)
+    o.add_argument("--stop-by", type=float, default=None,
+                   help="epoch seconds by which the measurements end, however long the engine took to start (run: "
+                        "the plan's budget less the time to write the result, before its engine is killed)")
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--warm-up-load", action="store_true",
                    help="suite e2e: run each shape's load once untimed before the measured one")

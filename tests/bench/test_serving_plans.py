@@ -176,3 +176,19 @@ def test_end_to_end_runs_set_next_to_their_limit(serving):
     assert (row["vanilla_s"], row["limit_s"], row["evict_s"]) == (26.47, 22.31, 22.74)
     assert (row["of_limit"], row["speedup"]) == (0.981, 1.16)
     assert (row["limit_mixed_s"], row["of_limit_mixed"]) == (22.77, 1.001)  # vanilla's prefill phase: 19.35 s
+
+
+def test_a_plan_past_its_budget_starts_no_engine(tmp_path):
+    """`run --stop-by` (the end of a device call's budget): an engine that could not measure before it is not
+    started, and the plan's JSON says so for each, so a cut call still returns what ran."""
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving.py"), "run", "--plan",
+                           "capacity-32k-bf16", "--out-dir", str(tmp_path), "--stop-by", str(time.time() + 30)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "capacity-32k-bf16.json").read_text())
+    assert rows == [{"engine": engine, "suite": "capacity", "failed": "skipped: the plan's budget ran out"}
+                    for engine in ("vanilla", "evict")]

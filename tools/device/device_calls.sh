@@ -99,7 +99,8 @@ for spec in "$@"; do
     cp -f "$raw/$plan.log" "$OUT/$plan.log"
   else
     (repo=$PWD; cd /tmp && timeout -k 10 "$t" python3 "$repo/benchmarks/serving.py" run --plan "$plan" \
-      --out-dir "$raw" ${entries[*]} ${SERVING_ARGS:-} 2>&1) | grep -v "Warning\|warn(" > "$raw/$plan.log"
+      --out-dir "$raw" \
+      --stop-by $(( $(date +%s) + t - 40 )) ${entries[*]} ${SERVING_ARGS:-} 2>&1) | grep -v "Warning\|warn(" > "$raw/$plan.log"
     rc=$?
     grep -E '^\{|^-> rc' "$raw/$plan.log" | cut -c1-400
     cp -f "$raw/$plan.log" "$OUT/$plan.log"
