@@ -182,7 +182,8 @@ def test_a_decode_budget_covering_the_sequence_changes_nothing(engine, reference
 
 def test_blocks_follow_the_schedule_every_step_and_return_after_aborts(engine):
     """Step the engine with decode-budget requests: after every step each holds exactly the blocks of its
-    physical length (semantic length less what compaction removed), which never exceeds the schedule's peak;
+    physical length (semantic length less what compaction removed), which never exceeds the schedule's peak,
+    and vLLM's manager tracks it as a running request (its block count's shortcut, though it caches nothing);
     requests aborted at random steps (mid-prefill, mid-decode) give every block back."""
     from vllm_evict.engine.scheduler import peak_blocks
 
@@ -210,6 +211,7 @@ def test_blocks_follow_the_schedule_every_step_and_return_after_aborts(engine):
             held = len(manager.req_to_blocks[req_id])
             assert held == -(-physical // PAGE), (req_id, steps, held, physical)
             assert held <= peak_blocks(request.num_prompt_tokens + MAX_TOKENS, PAGE, ev), (req_id, held)
+            assert held == 0 or req_id in manager.num_cached_block, (req_id, steps)
             if ev.decode_compactions:
                 decode_compacted.add(external)
             if abort_at.get(external) == steps:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.logger import init_logger
@@ -82,13 +82,7 @@ class SchedulerEviction(FollowsSchedule):
     decode_blocks_freed: int = 0
     latency_ms: float | None = None  # scoring + compaction, reported by the worker
     reported: int = 0                # compactions whose report went out on a step's output
-
-    @property
-    def rewrites_blocks(self) -> bool:
-        """Its first compaction rewrites the blocks it prefilled (block-wise, or a decode budget without a
-        prompt eviction): they must be its own, so it takes no prefix hits and caches nothing."""
-        point = self.schedule.point(0)
-        return point is not None and point.in_place
+    rewrites_blocks: bool = field(init=False)
 
     @property
     def bounded(self) -> bool:
@@ -100,6 +94,10 @@ class SchedulerEviction(FollowsSchedule):
         return self.done > 0 and self.done >= self.schedule.prompt_points > 0
 
     def __post_init__(self) -> None:
+        # Its first compaction rewrites the blocks it prefilled (block-wise, or a decode budget without a prompt
+        # eviction): they must be its own, so it takes no prefix hits and caches nothing. Read every step: a field.
+        first = self.schedule.point(0)
+        self.rewrites_blocks = first is not None and first.in_place
         self.reset()
 
     @property
@@ -197,21 +195,24 @@ class EvictionKVCacheManager(KVCacheManager):
             return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
         if args:  # vLLM passes keywords; positional ones are named by its signature (checked by surface.py)
             kwargs.update(zip(_ALLOCATE_SLOTS_DEFAULTS, args))
-        given = {**_ALLOCATE_SLOTS_DEFAULTS, **kwargs}
-        chunk_end = (request.num_computed_tokens + given["num_new_computed_tokens"]
-                     + given["num_external_computed_tokens"] + num_new_tokens)
-        point = ev.schedule.point(ev.done)  # every running request, every step: no properties
+        def given(name):  # every running request, every step: no merged dict of the defaults
+            return kwargs.get(name, _ALLOCATE_SLOTS_DEFAULTS[name])
+
+        chunk_end = (request.num_computed_tokens + given("num_new_computed_tokens")
+                     + given("num_external_computed_tokens") + num_new_tokens)
+        point = ev.schedule.point(ev.done)  # no properties
         evicts = point is not None and chunk_end == point.at
         compacted = ev.done > 0
-        if compacted or ev.rewrites_blocks:  # never hashed: compacted blocks, or blocks compaction rewrites
+        never_cached = compacted or ev.rewrites_blocks  # never hashed: compacted blocks, or blocks it rewrites
+        if never_cached:
             kwargs["delay_cache_blocks"] = True
-        if given["full_sequence_must_fit"] and ev.bounded:  # admission: its peak, not its sequence, must fit
+        if given("full_sequence_must_fit") and ev.bounded:  # admission: its peak, not its sequence, must fit
             kwargs["full_sequence_must_fit"] = False
             if self._blocks_short(request, ev):
                 return None
         if evicts and not point.in_place and not compacted:
             # The chunk that ends at E: allocate it together with F fresh destination blocks.
-            kwargs["reserved_blocks"] = given["reserved_blocks"] + ev.blocks
+            kwargs["reserved_blocks"] = given("reserved_blocks") + ev.blocks
             new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
             if new_blocks is None:
                 return None
@@ -222,6 +223,11 @@ class EvictionKVCacheManager(KVCacheManager):
                                              for i, blocks in enumerate(new_blocks.blocks)))
         else:  # a compacted request: the evicted group's manager counts it physically (CompactedGroupManager)
             new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
+        if never_cached and new_blocks is not None:
+            # vLLM's managers size a request's next blocks by a shortcut only once they track its cached
+            # blocks, which they start doing when they cache some: track these, none cached, from here on
+            for manager in self.coordinator.single_type_managers:
+                manager.num_cached_block.setdefault(request.request_id, 0)
         if evicts and new_blocks is not None:
             ev.swap_pending = True  # swapped in _update_after_schedule, once this step's block ids are sent
             self.pending_swaps.add(request.request_id)
