@@ -25,7 +25,7 @@
 # Every plan runs under `timeout` so that the call ends inside the device's 600 s and its files come back
 # (at most 8 files per call): $OUT/info.txt (GPU, commit, what ran), per plan $OUT/PLAN.json (every engine's
 # result; a partial one is assembled from the engines that finished if the plan was cut) and $OUT/PLAN.log
-# (the plan's output less warnings), needle-kv's two tables and archive, and $OUT/raw.tgz with the rest
+# (the plan's output less warnings), needle-kv's tables and archive, and $OUT/raw.tgz with the rest
 # (per-engine JSONs, GPU test log, profile tables).
 set -uo pipefail
 cd "$(dirname "$0")/../.."

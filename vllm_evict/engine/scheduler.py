@@ -195,6 +195,7 @@ class EvictionKVCacheManager(KVCacheManager):
             return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
         if args:  # vLLM passes keywords; positional ones are named by its signature (checked by surface.py)
             kwargs.update(zip(_ALLOCATE_SLOTS_DEFAULTS, args))
+
         def given(name):  # every running request, every step: no merged dict of the defaults
             return kwargs.get(name, _ALLOCATE_SLOTS_DEFAULTS[name])
 
