@@ -132,7 +132,6 @@ class Driver:
         self.vocab = 1000
         self.scheduled = (0, 0)  # the last step's (tokens, requests), read off the scheduler's output
         self.preemptions = 0  # requests preempted so far, read off the scheduler's outputs
-        self.prefilling_after = None  # prefilling() after the last step: the next step's "before"
         # --step-trace: the last step's host time in schedule, execute_model, update_from_output, and (vllm-evict,
         # in process) the requests it compacted and its attention
         self.host_ms = [0.0, 0.0, 0.0]
@@ -187,7 +186,6 @@ class Driver:
         rid = f"q{self.counter}"
         self.counter += 1
         extra = {"vllm_evict": eviction} if eviction else None
-        self.prefilling_after = None
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, detokenize=False,
                             output_kind=RequestOutputKind.DELTA, extra_args=extra)
         self.engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
@@ -200,21 +198,19 @@ class Driver:
         """One engine step: (outputs, seconds, new tokens, decode_only). decode_only: no request was
         prefilling before or after the step and none was admitted (queued requests may be waiting)."""
         running = len(self.scheduler.running)
-        before = self.prefilling() if self.prefilling_after is None else self.prefilling_after
+        decode_only = self.prefilling() == 0
         self.host_ms, self.plan = [0.0, 0.0, 0.0], [0, 0]
         t0 = time.perf_counter()
         outs = self.engine.step()
         dt = time.perf_counter() - t0
         new = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs)
-        self.prefilling_after = self.prefilling()
-        decode_only = before == 0 and self.prefilling_after == 0 and len(self.scheduler.running) <= running
+        decode_only = decode_only and self.prefilling() == 0 and len(self.scheduler.running) <= running
         return outs, dt, new, decode_only
 
     def drain(self, ids: list[str]) -> None:
         self.engine.abort_request(ids)
         while self.engine.has_unfinished_requests():
             self.engine.step()
-        self.prefilling_after = None
 
 
 def eviction_of(args, budget: float | None = None, allocation: str | None = None) -> dict | None:

@@ -6,6 +6,9 @@ import json
 import re
 import shlex
 import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -181,10 +184,6 @@ def test_end_to_end_runs_set_next_to_their_limit(serving):
 def test_a_plan_past_its_budget_starts_no_engine(tmp_path):
     """`run --stop-by` (the end of a device call's budget): an engine that could not measure before it is not
     started, and the plan's JSON says so for each, so a cut call still returns what ran."""
-    import subprocess
-    import sys
-    import time
-
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving.py"), "run", "--plan",
                            "capacity-32k-bf16", "--out-dir", str(tmp_path), "--stop-by", str(time.time() + 30)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)

@@ -224,7 +224,7 @@ class EvictionKVCacheManager(KVCacheManager):
                                              for i, blocks in enumerate(new_blocks.blocks)))
         else:  # a compacted request: the evicted group's manager counts it physically (CompactedGroupManager)
             new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
-        if never_cached and new_blocks is not None:
+        if never_cached and new_blocks is not None and request.request_id not in self.evicted.num_cached_block:
             # vLLM's managers size a request's next blocks by a shortcut only once they track its cached
             # blocks, which they start doing when they cache some: track these, none cached, from here on
             for manager in self.coordinator.single_type_managers:
