@@ -886,14 +886,17 @@ PLANS = {
         ("evict", "capacity", CAPACITY_32K + ["--max-num-seqs", "2048", "--shared-prefix",
                                               "--capacity-configs", "0.1:uniform"] + PER_TOKEN_HEAD[bits], 300)]
        for bits, requests in (("int8", 72), ("fp8", 72), ("int4", 144))},
-    # vanilla on a TurboQuant cache (about 2.8x-3.3x bf16's tokens with its model-dtype boundary layers), DropKV
-    # 10% on it; an engine a device call (H200: the evicting engine took 200 s to start, Triton compiling
-    # TurboQuant's kernels while CUDA graphs are captured)
-    **{f"capacity-32k-turboquant-{preset.replace('_', '-')}": [
-        ("vanilla", "capacity", CAPACITY_32K + ["--num-requests", "120"] + TURBOQUANT[preset], 480),
-        ("evict", "capacity", CAPACITY_32K + ["--max-num-seqs", "2048", "--shared-prefix",
-                                              "--capacity-configs", "0.1:uniform"] + TURBOQUANT[preset], 480)]
-       for preset in TURBOQUANT},
+    # TurboQuant caches: vanilla bf16, then vanilla and DropKV 10% on each preset (on a dense model vLLM keeps the
+    # first and last two layers in bf16: 2.8x-3.3x bf16's tokens). Capacity is a count, so every engine of the
+    # plan runs eagerly: TurboQuant's Triton kernels compile during CUDA graph capture (150-200 s of an engine's
+    # start on an H200), which would leave a device call no time for the load
+    "capacity-32k-turboquant": [
+        ("vanilla", "capacity", CAPACITY_32K + ["--num-requests", "72", "--enforce-eager"], 150),
+        *[(engine, "capacity", CAPACITY_32K + TURBOQUANT[preset] + ["--enforce-eager"] + extra, 300)
+          for preset in TURBOQUANT
+          for engine, extra in (("vanilla", ["--num-requests", "120"]),
+                                ("evict", ["--max-num-seqs", "2048", "--shared-prefix", "--capacity-configs",
+                                           "0.1:uniform"]))]],
     # decode throughput at capacity and end to end at 16K, bf16 against fp8 cache (--shared-prefix: load only)
     "capacity-e2e-bf16": [("vanilla", "load,e2e", AT_CAPACITY_32K + E2E_16K, 280),
                           ("evict", "load,e2e", AT_CAPACITY_32K + E2E_16K + ["--shared-prefix"], 220)],
