@@ -398,12 +398,12 @@ def shift_positions(runner, plan: StepPlan, group) -> None:
     from vllm_evict.engine.per_head import host_to_device
 
     num_reqs = plan.num_reqs
-    row_shift = np.zeros(num_reqs, dtype=np.int64)
+    row_shift, states = [0] * num_reqs, plan.states  # every step: host lists, no numpy scalars
     for row in plan.compacted_rows:
-        row_shift[row] = plan.states[row].shift
+        row_shift[row] = states[row].shift
     device = runner.seq_lens.device
-    plan.row_shift = row_shift
-    shift = plan.shift = host_to_device(row_shift.tolist(), device)
+    plan.row_shift = np.array(row_shift, dtype=np.int64)
+    shift = plan.shift = host_to_device(row_shift, device)
     tables = runner.input_batch.block_table
     if group.hybrid:
         tables = tables[group.index]
