@@ -124,8 +124,9 @@ class CompactedGroupManager(SingleTypeKVCacheManager):
     compacted request's tokens physically, `removed` fewer than the request's semantic count, so vLLM's
     coordinator sizes that group's blocks by what it holds while the other groups see every token.
 
-    Its methods run for every running request of every step: a request with nothing removed goes straight
-    to vLLM's. `remove_skipped_blocks` needs no override: the evicted group is full attention, which skips no
+    Its methods run for every running request of every step, so the instance has this class only while some
+    request has tokens removed (EvictionKVCacheManager.set_removed), and a request with none goes straight to
+    vLLM's. `remove_skipped_blocks` needs no override: the evicted group is full attention, which skips no
     tokens whatever their count (install_group_manager checks)."""
 
     removed: dict[str, int]
@@ -149,12 +150,12 @@ class CompactedGroupManager(SingleTypeKVCacheManager):
 
 
 def install_group_manager(manager) -> None:
-    """Make `manager` (a single-type manager instance) a CompactedGroupManager of its own class (the mixin
-    derives from vLLM's base so that the instance's layout stays that of its class)."""
+    """Prepare `manager` (a single-type manager instance) to become a CompactedGroupManager of its own class
+    (the mixin derives from vLLM's base so that the instance's layout stays that of its class)."""
     cls = type(manager)
     if cls.get_num_skipped_tokens is not SingleTypeKVCacheManager.get_num_skipped_tokens:
         raise TypeError(f"vllm-evict compacts full-attention KV cache groups only, not {cls.__name__}'s")
-    manager.__class__ = type(f"Compacted{cls.__name__}", (CompactedGroupManager, cls), {})
+    manager.classes = (cls, type(f"Compacted{cls.__name__}", (CompactedGroupManager, cls), {}))
     manager.removed = {}
 
 
@@ -171,11 +172,14 @@ class EvictionKVCacheManager(KVCacheManager):
         """The single-type manager of the group eviction compacts."""
         return self.coordinator.single_type_managers[self.group.index]
 
-    def set_removed(self, request_id: str, ev: SchedulerEviction) -> None:
-        if ev.removed:
-            self.evicted.removed[request_id] = ev.removed
+    def set_removed(self, request_id: str, ev: SchedulerEviction | None) -> None:
+        """Record what the evicted group's manager subtracts for a request (None: it is gone)."""
+        manager = self.evicted
+        if ev is not None and ev.removed:
+            manager.removed[request_id] = ev.removed
         else:
-            self.evicted.removed.pop(request_id, None)
+            manager.removed.pop(request_id, None)
+        manager.__class__ = manager.classes[bool(manager.removed)]
 
     def get_computed_blocks(self, request):
         blocks, num_hits, *rest = super().get_computed_blocks(request)
@@ -542,7 +546,7 @@ class _EvictionSchedulerMixin:
         kv_xfer_params, ec_xfer_params = super()._free_request(request, delay_free_blocks)
         ev = self.evictions.pop(request.request_id, None)
         if ev is not None:
-            self.kv_cache_manager.evicted.removed.pop(request.request_id, None)
+            self.kv_cache_manager.set_removed(request.request_id, None)
         if ev is not None and ev.compacted:
             kv_xfer_params = dict(kv_xfer_params or {})
             kv_xfer_params[EXTRA_ARGS_KEY] = self._report(ev, request)

@@ -86,7 +86,7 @@ SURFACE: dict[str, dict[str, str]] = {
                                                 "total_computed_tokens, num_local_computed_tokens, "
                                                 "num_tokens_main_model, apply_admission_cap=",
         _SINGLE + "allocate_new_blocks": "self, request_id, num_tokens, num_tokens_main_model",
-        _SINGLE + "remove_skipped_blocks": "self, request_id, processed_computed_tokens, num_prompt_tokens=",
+        _SINGLE + "get_num_skipped_tokens": "self, num_computed_tokens",
         _SCHEDULER + "add_request": "self, request",
         _SCHEDULER + "_mamba_block_aligned_split":
             "self, request, num_new_tokens, num_new_local_computed_tokens=, num_external_computed_tokens=",
