@@ -537,8 +537,8 @@ def decode_curve(args, drv: Driver, deadline: float, batch: int, kv_from: int, k
     tokens decoded for kv_to - kv_from + 16 tokens. Each decode-only step in which every request decoded is
     timed against its mean KV length (prompt + tokens generated before the step / batch: attention reads grow
     with the total). A step's time is its period (Driver.period: the step and the driver's loop before it), as
-    in every wall time this benchmark measures, the prefill-only pass of the limit included. Steps are binned by --limit-bin KV tokens; a bin keeps its median step (robust to a host
-    hiccup) and its mean KV."""
+    in every wall time this benchmark measures, the prefill-only pass of the limit included. Steps are binned
+    by --limit-bin KV tokens; a bin keeps its median step (robust to a host hiccup) and its mean KV."""
     ids = [drv.add(drv.prompt(kv_from), kv_to - kv_from + 16, None) for _ in range(batch)]
     generated, points = 0, []
     while drv.engine.has_unfinished_requests():
