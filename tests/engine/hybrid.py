@@ -24,9 +24,10 @@ from tests.engine.test_eviction import check_against_reference, params, random_p
 PAGE = 16  # the block size asked for (a model with linear attention gets vLLM's own)
 MAX_TOKENS = 24
 # logprob gaps of a bf16 engine's tokens under the exact reference. The mean's bound sits between the worst
-# evicting request measured (0.11: GPT-OSS, TOVA with Ada-KV and decode points, on an AVX-512 CPU, whose bf16
-# kernels differ) and the tokens of no eviction under that request's reference (0.16-0.21 for every case there)
-BF16_GAP, BF16_MEAN_GAP = 0.75, 0.14
+# evicting request measured (0.143: GPT-OSS with an EAGLE3 draft, SnapKV at 0.5, on an AVX-512 CPU, whose bf16
+# kernels differ; 0.11 without the draft) and the tokens of no eviction under that request's reference (0.26
+# there; 0.16-0.21 for every case without the draft)
+BF16_GAP, BF16_MEAN_GAP = 0.75, 0.15
 
 ONE_SHOT = [{"policy": "snapkv", "budget": 0.25}, {"policy": "snapkv", "budget": 0.25, "allocation": "adakv"},
             {"policy": "keydiff", "budget": 0.3}, {"policy": "tova", "budget": 0.3, "allocation": "adakv"}]
