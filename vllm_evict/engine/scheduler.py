@@ -119,33 +119,32 @@ _ALLOCATE_SLOTS_DEFAULTS = {p.name: p.default for p in
                             list(inspect.signature(KVCacheManager.allocate_slots).parameters.values())[3:]}
 
 
+def _argument(kwargs: dict[str, Any], name: str) -> Any:
+    """An allocate_slots argument as vLLM passed it, or its default."""
+    return kwargs.get(name, _ALLOCATE_SLOTS_DEFAULTS[name])
+
+
 class CompactedGroupManager(SingleTypeKVCacheManager):
     """Mixed into the evicted group's single-type manager (installed on the instance): it counts a
     compacted request's tokens physically, `removed` fewer than the request's semantic count, so vLLM's
     coordinator sizes that group's blocks by what it holds while the other groups see every token.
 
     Its methods run for every running request of every step, so the instance has this class only while some
-    request has tokens removed (EvictionKVCacheManager.set_removed), and a request with none goes straight to
-    vLLM's. `remove_skipped_blocks` needs no override: the evicted group is full attention, which skips no
-    tokens whatever their count (install_group_manager checks)."""
+    request has tokens removed (EvictionKVCacheManager.set_removed). `remove_skipped_blocks` needs no override:
+    the evicted group is full attention, which skips no tokens whatever their count (install_group_manager
+    checks)."""
 
     removed: dict[str, int]
 
     def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
                                    num_local_computed_tokens, num_tokens_main_model, *args, **kwargs):
-        r = self.removed.get(request_id)
-        if r is None:
-            return super().get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks,
-                                                      total_computed_tokens, num_local_computed_tokens,
-                                                      num_tokens_main_model, *args, **kwargs)
+        r = self.removed.get(request_id, 0)
         return super().get_num_blocks_to_allocate(request_id, num_tokens - r, new_computed_blocks,
                                                   total_computed_tokens - r, num_local_computed_tokens - r,
                                                   num_tokens_main_model - r, *args, **kwargs)
 
     def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model, *args, **kwargs):
-        r = self.removed.get(request_id)
-        if r is None:
-            return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model, *args, **kwargs)
+        r = self.removed.get(request_id, 0)
         return super().allocate_new_blocks(request_id, num_tokens - r, num_tokens_main_model - r, *args, **kwargs)
 
 
@@ -205,38 +204,25 @@ class EvictionKVCacheManager(KVCacheManager):
         ev = self.evictions.get(request.request_id)
         if ev is None:
             return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
-        if not args and len(kwargs) == 1 and "num_lookahead_tokens" in kwargs:
-            # vLLM's call for a running request (every evicting request, every step): unless this step reaches
-            # its next point, only whether it caches matters (what the general path below decides for it)
-            point = ev.schedule.point(ev.done)
-            if point is None or request.num_computed_tokens + num_new_tokens != point.at:
-                if not (ev.done or ev.rewrites_blocks):
-                    return super().allocate_slots(request, num_new_tokens, **kwargs)
-                new_blocks = super().allocate_slots(request, num_new_tokens, delay_cache_blocks=True, **kwargs)
-                if new_blocks is not None:
-                    self._track_uncached(request.request_id)
-                return new_blocks
         if args:  # vLLM passes keywords; positional ones are named by its signature (checked by surface.py)
             kwargs.update(zip(_ALLOCATE_SLOTS_DEFAULTS, args))
-
-        def given(name):  # every running request, every step: no merged dict of the defaults
-            return kwargs.get(name, _ALLOCATE_SLOTS_DEFAULTS[name])
-
-        chunk_end = (request.num_computed_tokens + given("num_new_computed_tokens")
-                     + given("num_external_computed_tokens") + num_new_tokens)
+        # every running request, every step: the arguments read where given, no merged dict of the defaults
+        chunk_end = (request.num_computed_tokens + _argument(kwargs, "num_new_computed_tokens")
+                     + _argument(kwargs, "num_external_computed_tokens") + num_new_tokens)
         point = ev.schedule.point(ev.done)  # no properties
         evicts = point is not None and chunk_end == point.at
         compacted = ev.done > 0
         never_cached = compacted or ev.rewrites_blocks  # never hashed: compacted blocks, or blocks it rewrites
         if never_cached:
             kwargs["delay_cache_blocks"] = True
-        if given("full_sequence_must_fit") and ev.bounded:  # admission: its peak, not its sequence, must fit
+        # admission: its peak, not its sequence, must fit
+        if _argument(kwargs, "full_sequence_must_fit") and ev.bounded:
             kwargs["full_sequence_must_fit"] = False
             if self._blocks_short(request, ev):
                 return None
         if evicts and not point.in_place and not compacted:
             # The chunk that ends at E: allocate it together with F fresh destination blocks.
-            kwargs["reserved_blocks"] = given("reserved_blocks") + ev.blocks
+            kwargs["reserved_blocks"] = _argument(kwargs, "reserved_blocks") + ev.blocks
             new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
             if new_blocks is None:
                 return None
@@ -247,19 +233,15 @@ class EvictionKVCacheManager(KVCacheManager):
                                              for i, blocks in enumerate(new_blocks.blocks)))
         else:  # a compacted request: the evicted group's manager counts it physically (CompactedGroupManager)
             new_blocks = super().allocate_slots(request, num_new_tokens, **kwargs)
-        if never_cached and new_blocks is not None:
-            self._track_uncached(request.request_id)
+        if never_cached and new_blocks is not None and request.request_id not in self.evicted.num_cached_block:
+            # vLLM's managers size a request's next blocks by a shortcut only once they track its cached
+            # blocks, which they start doing when they cache some: track these, none cached, from here on
+            for manager in self.coordinator.single_type_managers:
+                manager.num_cached_block.setdefault(request.request_id, 0)
         if evicts and new_blocks is not None:
             ev.swap_pending = True  # swapped in _update_after_schedule, once this step's block ids are sent
             self.pending_swaps.add(request.request_id)
         return new_blocks
-
-    def _track_uncached(self, request_id: str) -> None:
-        """vLLM's managers size a request's next blocks by a shortcut only once they track its cached blocks,
-        which they start doing when they cache some: track a request that caches nothing, none cached."""
-        if request_id not in self.evicted.num_cached_block:
-            for manager in self.coordinator.single_type_managers:
-                manager.num_cached_block.setdefault(request_id, 0)
 
     def trim(self, request_id: str, ev: SchedulerEviction, used: int) -> None:
         """Free the blocks F' .. F-1 that the last compaction of a request (Ada-KV under TP) wrote over but
