@@ -625,7 +625,7 @@ def suite_limit(args, drv: Driver, deadline: float) -> dict:
         row = {"decode_budget": budget, "decode_every": every or 128, "held_tokens_mean": round(statistics.mean(held), 1),
                "held_tokens_min": min(held), "held_tokens_max": max(held), "peak_blocks": peak,
                "prefill_only_s": prefill["wall_s"], **dec, "limit_s": round(prefill["wall_s"] + dec["decode_s"], 2),
-               "complete": prefill["stop_reason"] == "all requests finished"
+               "complete": finished(prefill)
                and all(curves[b]["complete"] for b in set(dec["waves"]))}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -647,7 +647,7 @@ def suite_prefill(args, drv: Driver, deadline: float) -> dict:
             run = run_load(args, drv, deadline, num, 1, eviction, False)
             rows.append({"kind": "prefill", "prompt_len": length, "requests": num, "eviction": eviction,
                          "wall_s": run["wall_s"], "evict_ms_mean": run.get("evict_ms_mean"),
-                         "complete": run["stop_reason"] == "all requests finished"})
+                         "complete": finished(run)})
         for length in args.ttft_lengths:
             ttft, reported = [], []
             for _ in range(args.repeats):
@@ -1082,7 +1082,8 @@ def run_plan(args) -> int:
 
 def against_limits(results: list[dict]) -> list[dict]:
     """Each vllm-evict measurement of a plan next to the physical limit its vanilla engine measured: suite
-    e2e (per shape and allocation) and suite decode against suite limit (per decode budget and interval)."""
+    e2e (per shape and allocation) and suite decode against suite limit (per decode budget and interval).
+    Only runs whose every request finished count: a run cut by its deadline has a wall time of part of the load."""
     rows = []
     vanilla = [r for r in results if r.get("engine") == "vanilla"]
     evict = [r for r in results if r.get("engine") == "evict"]
@@ -1090,7 +1091,7 @@ def against_limits(results: list[dict]) -> list[dict]:
     for r in evict:
         for shape in r.get("shapes", []):
             base = limits.get(shape["shape"])
-            if base is not None:
+            if base is not None and finished(base["load"]) and finished(shape["load"]):
                 rows.append(_against("e2e " + shape["shape"], shape.get("allocation"), base["load"]["wall_s"],
                                      base["limit_s"], shape["load"]["wall_s"]))
                 # the limit with vanilla's own prefill phase of the run, whose prefill steps also decode the
@@ -1099,17 +1100,21 @@ def against_limits(results: list[dict]) -> list[dict]:
                               + base["decode_at_evicted_kv"]["decode_s"], 2)
                 rows[-1].update(limit_mixed_s=mixed, of_limit_mixed=round(mixed / shape["load"]["wall_s"], 3))
     decode_limits = {(row["decode_budget"], row["decode_every"]): (r["limit"]["shape"], row)
-                     for r in vanilla if "limit" in r for row in r["limit"]["rows"]}
+                     for r in vanilla if "limit" in r for row in r["limit"]["rows"] if row.get("complete")}
     for r in evict:
         for run in r.get("runs", []) if "decode" in r.get("suite", "").split(",") else []:
             config = run.get("eviction") or {}
             found = decode_limits.get((config.get("decode_budget"), config.get("decode_every", 128)))
-            if found is not None and "wall_s" in run:
+            if found is not None and finished(run):
                 shape, row = found
                 rows.append(_against(f"decode {shape}, decode_budget {row['decode_budget']} every "
                                      f"{row['decode_every']}", config.get("allocation", "uniform"),
                                      row.get("vanilla_wall_s"), row["limit_s"], run["wall_s"]))
     return rows
+
+
+def finished(load: dict) -> bool:
+    return load.get("stop_reason") == "all requests finished"
 
 
 def _against(what: str, allocation: str | None, vanilla_s: float | None, limit_s: float, evict_s: float) -> dict:

@@ -181,6 +181,20 @@ def test_end_to_end_runs_set_next_to_their_limit(serving):
     assert (row["limit_mixed_s"], row["of_limit_mixed"]) == (22.77, 1.001)  # vanilla's prefill phase: 19.35 s
 
 
+def test_decode_runs_set_next_to_their_limit_unless_cut(serving):
+    """suite decode against vanilla's suite limit: the reasoning shape's runs recorded in docs/results (H100,
+    one warm machine). The DropKV run cut by its call's deadline (63.76 s for 2,664 of 4,113 steps) is no
+    measurement against the limit; the same engine's full run is."""
+    recorded = ROOT / "docs/results/decode-time-eviction"
+    vanilla, cut, full = (json.loads((recorded / f"reasoning-1k-4k-1024_h100_ca80bfa_{name}.json").read_text())
+                          for name in ("vanilla", "dropkv-cut", "dropkv"))
+    assert cut["runs"][0]["stop_reason"] == "deadline"
+    assert serving.against_limits([vanilla, cut]) == []
+    (row,) = serving.against_limits([vanilla, cut, full])
+    assert (row["vanilla_s"], row["limit_s"], row["evict_s"]) == (225.41, 90.32, 95.6)
+    assert (row["of_limit"], row["speedup"]) == (0.945, 2.36)
+
+
 def test_a_plan_past_its_budget_starts_no_engine(tmp_path):
     """`run --stop-by` (the end of a device call's budget): an engine that could not measure before it is not
     started, and the plan's JSON says so for each, so a cut call still returns what ran."""
