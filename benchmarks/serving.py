@@ -58,7 +58,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TAIL = 64  # distinct tokens at the end of a shared-prefix prompt
 
 
 # ----------------------------------------------------------------------------------------------- engine
@@ -302,7 +301,7 @@ def run_load(args, drv: Driver, deadline: float, num_requests: int, max_tokens: 
              stop_at_capacity: bool, shared_prefix: bool | None = None) -> dict:
     """shared_prefix: None follows --shared-prefix (suite e2e passes False: its prompts are always distinct)."""
     shared = args.shared_prefix if shared_prefix is None else shared_prefix
-    prefix = drv.prompt(args.prompt_len - TAIL) if shared else None
+    prefix = drv.prompt(args.prompt_len - args.shared_tail) if shared else None
     t0 = time.perf_counter()
     ids = [drv.add(drv.prompt(args.prompt_len, prefix), max_tokens, eviction) for _ in range(num_requests)]
     steps = tokens = decode_tokens = 0
@@ -809,9 +808,12 @@ E2E_16K = ["--shapes", "16384:512:64"]
 FP8 = ["--kv-cache-dtype", "fp8"]
 # vLLM's per-token-head caches (TRITON_ATTN): a scale per token and head beside int8 / fp8 / int4 data
 PER_TOKEN_HEAD = {bits: ["--kv-cache-dtype", f"{bits}_per_token_head"] for bits in ("int8", "fp8", "int4")}
-# vLLM's TurboQuant caches (TURBOQUANT; a dense model's first and last two layers stay in the model dtype)
-TURBOQUANT = {preset: ["--kv-cache-dtype", f"turboquant_{preset}"] for preset in ("k8v4", "4bit_nc", "k3v4_nc",
-                                                                                 "3bit_nc")}
+# vLLM's TurboQuant caches (TURBOQUANT; a dense model's first and last two layers stay in the model dtype).
+# Shared-prefix prompts end in 256 distinct tokens: vLLM's TurboQuant prefill runs a continuation of up to
+# 128 tokens as that many decode queries, each reading the whole cached prefix; a longer one dequantizes the
+# prefix once (_CONTINUATION_DECODE_THRESHOLD in its turboquant_attn.py)
+TURBOQUANT = {preset: ["--kv-cache-dtype", f"turboquant_{preset}", "--shared-tail", "256"]
+              for preset in ("k8v4", "4bit_nc", "k3v4_nc", "3bit_nc")}
 # vLLM's n-gram drafter, 4 draft tokens (no draft model; vLLM turns asynchronous scheduling off with it, in
 # both engines). Dummy weights repeat their tokens, so its drafts are nearly all accepted: the speculation's
 # mechanics under eviction, not a trained model's acceptance
@@ -1176,6 +1178,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--num-requests", type=int, default=64,
                    help="suite load: 0 = as many as the KV pool holds at once at this shape (fit_requests)")
     o.add_argument("--shared-prefix", action="store_true")
+    o.add_argument("--shared-tail", type=int, default=64, help="distinct tokens at the end of a shared-prefix prompt")
     o.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="vLLM's --no-enable-prefix-caching (its default on linear-attention hybrids)")
     o.add_argument("--enforce-eager", action="store_true",
