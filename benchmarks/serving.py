@@ -810,8 +810,9 @@ FP8 = ["--kv-cache-dtype", "fp8"]
 PER_TOKEN_HEAD = {bits: ["--kv-cache-dtype", f"{bits}_per_token_head"] for bits in ("int8", "fp8", "int4")}
 # vLLM's TurboQuant caches (TURBOQUANT; a dense model's first and last two layers stay in the model dtype).
 # Shared-prefix prompts end in 256 distinct tokens: vLLM's TurboQuant prefill runs a continuation of up to
-# 128 tokens as that many decode queries, each reading the whole cached prefix (6 steps took 289 s on an H100
-# with 64); a longer one dequantizes the prefix once (_CONTINUATION_DECODE_THRESHOLD in its turboquant_attn.py)
+# 128 tokens as that many decode queries, each reading the whole cached prefix (with 64, an untraced DropKV
+# capacity run on an H100 took 289 s for 6 steps); a longer one dequantizes the prefix once
+# (_CONTINUATION_DECODE_THRESHOLD in its turboquant_attn.py)
 TURBOQUANT = {preset: ["--kv-cache-dtype", f"turboquant_{preset}", "--shared-tail", "256"]
               for preset in ("k8v4", "4bit_nc", "k3v4_nc", "3bit_nc")}
 # vLLM's n-gram drafter, 4 draft tokens (no draft model; vLLM turns asynchronous scheduling off with it, in
@@ -1085,7 +1086,7 @@ def run_plan(args) -> int:
 def against_limits(results: list[dict]) -> list[dict]:
     """Each vllm-evict measurement of a plan next to the physical limit its vanilla engine measured: suite
     e2e (per shape and allocation) and suite decode against suite limit (per decode budget and interval).
-    Only runs whose every request finished count: a run cut by its deadline has a wall time of part of the load."""
+    Only runs whose every request finished count: the wall time of a run cut at its deadline covers part of its load."""
     rows = []
     vanilla = [r for r in results if r.get("engine") == "vanilla"]
     evict = [r for r in results if r.get("engine") == "evict"]
