@@ -796,7 +796,9 @@ RAY = ["--distributed-executor-backend", "ray"]
 # the pool, not the batch limit, bounds vanilla; and the reasoning shape, 256 x 1K in / 4K out on the whole GPU
 DECODE_BUDGET_64K_POOL = ["--prompt-len", "1024", "--max-tokens", "2048", "--num-requests", "64",
                           "--kv-cache-memory-bytes", str(8 << 30), "--max-model-len", "4096"]
-REASONING_ARGS = ["--prompt-len", "1024", "--max-tokens", "4096", "--num-requests", "256", "--max-model-len", "5376"]
+# every step traced: where a run's time over the limit goes (compaction steps, plain steps, the loop)
+REASONING_ARGS = ["--prompt-len", "1024", "--max-tokens", "4096", "--num-requests", "256", "--max-model-len", "5376",
+                  "--step-trace"]
 # suite limit: the reasoning shape's physical limit at decode budgets 1024 and 2048 (vanilla's own step times)
 REASONING_LIMIT = ["--decode-configs", *[json.dumps({"policy": "dropkv", "decode_budget": b}) for b in (1024, 2048)]]
 CAPACITY_32K = ["--prompt-len", "32768", "--max-tokens", "4096", "--max-model-len", "36864", "--max-num-seqs", "1024"]
@@ -813,7 +815,7 @@ PER_TOKEN_HEAD = {bits: ["--kv-cache-dtype", f"{bits}_per_token_head"] for bits 
 # 128 tokens as that many decode queries, each reading the whole cached prefix (with 64, an untraced DropKV
 # capacity run on an H100 took 289 s for 6 steps); a longer one dequantizes the prefix once
 # (_CONTINUATION_DECODE_THRESHOLD in its turboquant_attn.py)
-TURBOQUANT = {preset: ["--kv-cache-dtype", f"turboquant_{preset}", "--shared-tail", "256"]
+TURBOQUANT = {preset: ["--kv-cache-dtype", f"turboquant_{preset}", "--shared-tail", "256", "--step-trace"]
               for preset in ("k8v4", "4bit_nc", "k3v4_nc", "3bit_nc")}
 # vLLM's n-gram drafter, 4 draft tokens (no draft model; vLLM turns asynchronous scheduling off with it, in
 # both engines). Dummy weights repeat their tokens, so its drafts are nearly all accepted: the speculation's
