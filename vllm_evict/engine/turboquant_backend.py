@@ -2,18 +2,12 @@
 turboquant_k8v4`, `turboquant_4bit_nc`, `turboquant_k3v4_nc`, `turboquant_3bit_nc`).
 
 The cache is [num_blocks, H_kv, N, S] bytes, head-major as eviction's other CUDA caches. One S-byte slot holds
-a (token, head)'s key and value together, `[key | value | padding to an even size]`:
-- key: k8v4 stores it as fp8 (D bytes; e4m3, or e4b15 below compute capability 8.9); the other presets store
-  the Lloyd-Max code (3 or 4 bits) of each coordinate of the unit key after vLLM's fixed Hadamard rotation,
-  then the key's norm (fp16). With norm correction the decoded code vector is renormalised to unit length;
-  the key is norm x codes, rotated back.
-- value: a 3- or 4-bit code per coordinate, then its fp16 scale and zero: value = code x scale + zero.
-Codes are a little-endian bit stream (coordinate i at bit i*bits).
+a (token, head)'s key and value together (the format: kernels/turboquant_slots.py).
 
 Compaction moves a slot as it is, as the two S/2-byte halves the HND adapter gathers and writes (the
-kernels of kernels/paged_kv.py, bytes unchanged). Scoring reads slots decoded as vLLM's own attention does
-(`decode_slots`), in the model dtype; queries reach this attention unquantized, so the window queries are
-the layer's own.
+kernels of kernels/paged_kv.py, bytes unchanged). Scoring reads the gathered slots decoded as vLLM's own
+attention decodes them (`dequantize_slots`, one kernel launch), in the model dtype; queries reach this
+attention unquantized, so the window queries are the layer's own.
 
 vLLM keeps the first and last two layers of a dense model in the model dtype (its boundary layers, run by
 FlashAttention) in the same KV cache group and block table as the TurboQuant layers: compaction keeps the
@@ -40,6 +34,7 @@ from vllm_evict.engine.attention import EvictionAttentionMixin, EvictionMetadata
 from vllm_evict.engine.hnd_cache import HndPagedCache
 from vllm_evict.engine.layout import is_turboquant
 from vllm_evict.engine.step import BUILD
+from vllm_evict.kernels.turboquant_slots import dequantize_slots
 
 
 class TurboQuantPagedCache(HndPagedCache):
@@ -61,10 +56,9 @@ class TurboQuantPagedCache(HndPagedCache):
 
     @property
     def gathered_bytes(self) -> int:
-        """Bytes of one token and head in compaction: its slot, and what decoding it holds at once (int32 codes
-        and float32 keys and values of head_dim elements, about 28 bytes an element at the peak; the decoded
-        copy in the model dtype)."""
-        return 2 * self.stored_dim + self.head_dim * (32 + 2 * self.model_dtype.itemsize)
+        """Bytes of one token and head in compaction: its slot, and what decoding it holds at once (the key
+        before its rotation and rotated, float32 each, beside the key and value in the model dtype)."""
+        return 2 * self.stored_dim + self.head_dim * (8 + 2 * self.model_dtype.itemsize)
 
     @staticmethod
     def dequantize(caches: list["TurboQuantPagedCache"], keys: torch.Tensor, values: torch.Tensor,
@@ -72,52 +66,9 @@ class TurboQuantPagedCache(HndPagedCache):
         """Scoring's view of gathered slot halves [..., S/2] (bytes; `keys` the first half of each slot,
         `values` the second): keys and values [..., D] in the model dtype. Queries are unchanged."""
         first = caches[0]
-        key, value = decode_slots(torch.cat([keys, values], dim=-1), first.config, first.centroids,
-                                  first.rotation, first.fp8_e4b15)
-        return key.to(first.model_dtype), value.to(first.model_dtype), queries
-
-
-def decode_slots(slots: torch.Tensor, config: TurboQuantConfig, centroids: torch.Tensor, rotation: torch.Tensor,
-                 fp8_e4b15: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots [..., S] (uint8) -> keys, values [..., D] (float32), as vLLM's TurboQuant attention reads them.
-    centroids [2^bits] float32 (the preset's Lloyd-Max levels), rotation [D, D] (the Hadamard matrix / sqrt(D))."""
-    D = config.head_dim
-    if config.key_fp8:
-        raw = slots[..., :D].contiguous()
-        keys = _fp8_e4b15(raw) if fp8_e4b15 else raw.view(torch.float8_e4m3fn).float()
-    else:
-        mse_bytes = config.key_packed_size - 2
-        unit = centroids[_codes(slots, 0, config.key_mse_bits, D)]
-        if config.norm_correction:
-            unit = unit * torch.rsqrt((unit * unit).sum(dim=-1, keepdim=True) + 1e-16)
-        keys = (_fp16(slots, mse_bytes) * unit) @ rotation
-    start = config.key_packed_size
-    data_bytes = config.value_packed_size - 4
-    codes = _codes(slots, start, config.value_quant_bits, D).float()
-    values = codes * _fp16(slots, start + data_bytes) + _fp16(slots, start + data_bytes + 2)
-    return keys, values
-
-
-def _codes(slots: torch.Tensor, start: int, bits: int, count: int) -> torch.Tensor:
-    """`count` codes of `bits` bits from byte `start` of each slot (coordinate i at bit i*bits, little-endian)."""
-    bit = torch.arange(count, device=slots.device) * bits
-    byte = start + bit // 8
-    pair = slots[..., byte].to(torch.int32) | (slots[..., byte + 1].to(torch.int32) << 8)
-    return (pair >> (bit % 8)) & ((1 << bits) - 1)
-
-
-def _fp16(slots: torch.Tensor, start: int) -> torch.Tensor:
-    """The little-endian fp16 at byte `start` of each slot, [..., 1] float32."""
-    return slots[..., start: start + 2].contiguous().view(torch.float16).float()
-
-
-def _fp8_e4b15(raw: torch.Tensor) -> torch.Tensor:
-    """Triton's fp8e4b15 (exponent bias 15, no infinities or NaN), the keys of k8v4 below SM 8.9."""
-    bits = raw.to(torch.int32)
-    exponent, mantissa = (bits >> 3) & 0xF, (bits & 0x7).float()
-    magnitude = torch.where(exponent > 0, (8 + mantissa) * torch.exp2(exponent.float() - 18),
-                            mantissa * 2.0 ** -17)
-    return torch.where(bits >= 128, -magnitude, magnitude)
+        key, value = dequantize_slots(keys, values, first.config, first.centroids, first.rotation, first.fp8_e4b15,
+                                      first.model_dtype)
+        return key, value, queries
 
 
 def store(kv_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor,
