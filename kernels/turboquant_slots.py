@@ -17,9 +17,9 @@ dequantize_slots(first, second, config, centroids, rotation, fp8_e4b15, dtype)
     -> keys, values [..., D] in `dtype`, as vLLM's TurboQuant attention reads them.
 
 The kernel decodes a tile of slots per program, keys before the rotation in float32, which one matmul then
-rotates back; dequantize_slots_reference below is the same in torch ops (tests/kernels/test_turboquant_slots.py
-checks the kernel against it in the Triton interpreter and on GPU, and tests/engine/test_turboquant_cache.py
-both against vLLM's own dequantization kernel).
+rotates back. dequantize_slots_reference below is the same in torch ops: tests/kernels/test_turboquant_slots.py
+checks the kernel against it (Triton interpreter and GPU), tests/engine/test_turboquant_cache.py the engine's
+decoding against vLLM's own dequantization kernel.
 """
 
 from __future__ import annotations
