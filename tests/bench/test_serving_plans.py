@@ -195,6 +195,14 @@ def test_decode_runs_set_next_to_their_limit_unless_cut(serving):
     assert (row["of_limit"], row["speedup"]) == (0.945, 2.36)
 
 
+@pytest.mark.parametrize("tail", ["0", "1024"])
+def test_a_shared_tail_outside_the_prompt_is_refused(tail, tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving.py"), "one", "--engine", "evict",
+                           "--suite", "capacity", "--out", str(tmp_path / "x.json"), "--prompt-len", "1024",
+                           "--shared-prefix", "--shared-tail", tail], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--shared-tail must be within the prompt (1 to 1023 tokens)" in proc.stderr
+
+
 def test_a_plan_past_its_budget_starts_no_engine(tmp_path):
     """`run --stop-by` (the end of a device call's budget): an engine that could not measure before it is not
     started, and the plan's JSON says so for each, so a cut call still returns what ran."""
