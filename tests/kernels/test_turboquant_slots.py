@@ -8,21 +8,11 @@ Triton interpreter (subprocess). GPU (``-m gpu``): compiled, float32 and bf16.""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from tests.engine.test_turboquant_cache import PRESETS, hadamard
 from tests.kernels.interpreter import check_in_interpreter
-
-PRESETS = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
-
-
-def hadamard(d: int) -> torch.Tensor:
-    h = torch.ones(1, 1)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return h / math.sqrt(d)
 
 
 def random_slots(config, shape: tuple, gen: torch.Generator, e4b15: bool) -> torch.Tensor:
