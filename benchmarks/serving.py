@@ -1244,7 +1244,7 @@ def main() -> int:
     args.prefill_shapes = [tuple(int(x) for x in v.split(":")) for v in args.prefill_shapes]
     if args.shared_prefix and args.engine == "vanilla":
         ap.error("--shared-prefix is for the evict engine only (shared blocks would inflate vanilla capacity)")
-    if not 0 < args.shared_tail < args.prompt_len:
+    if args.shared_prefix and not 0 < args.shared_tail < args.prompt_len:
         ap.error(f"--shared-tail must be within the prompt (1 to {args.prompt_len - 1} tokens)")
     if args.allow_long_prompts and args.engine == "vanilla":
         ap.error("--allow-long-prompts is for the evict engine only (stock vLLM refuses it)")
