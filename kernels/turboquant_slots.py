@@ -24,11 +24,11 @@ decoding against vLLM's own dequantization kernel.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from vllm_evict.kernels.window_scores import interpreting
 
 BLOCK_M = 32
 
@@ -100,10 +100,6 @@ def _dequantize_slots_kernel(first, second, centroids, keys, values, M,
     tl.store(values + out, value.to(values.dtype.element_ty), mask=mask)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _dense_rows(first: torch.Tensor, second: torch.Tensor) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """The order of first's dims that lays it out as stored, and both halves as [M, S/2] rows in that order
     (copied only where a half is not stored so)."""
@@ -122,7 +118,7 @@ def dequantize_slots(first: torch.Tensor, second: torch.Tensor, config, centroid
     if 2 * half < config.value_packed_size + config.key_packed_size:
         raise ValueError(f"slots of {2 * half} bytes cannot hold a {config.key_packed_size}-byte key and a "
                          f"{config.value_packed_size}-byte value")
-    if not first.is_cuda and not _interpreting():
+    if not first.is_cuda and not interpreting():
         raise ValueError("dequantize_slots needs CUDA tensors (or TRITON_INTERPRET=1)")
     order, first_rows, second_rows = _dense_rows(first, second)
     M = first_rows.shape[0]

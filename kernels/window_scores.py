@@ -427,7 +427,8 @@ if _HAS_TRITON:
             tl.store(o_base + offs_n, raw, mask=n_mask)
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether kernels run in Triton's interpreter (TRITON_INTERPRET=1), which takes CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -516,7 +517,7 @@ def _plan(policy, q_window, keys, values, scale, gqa, config, lengths):
     if not _HAS_TRITON:
         raise RuntimeError("window_scores needs Triton; use vllm_evict.policies.reference_raw_window_scores on CPU")
     _check_inputs(policy, q_window, keys, values, gqa, lengths)
-    if not keys.is_cuda and not _interpreting():
+    if not keys.is_cuda and not interpreting():
         raise ValueError("window_scores needs CUDA tensors (or TRITON_INTERPRET=1 for debugging)")
     cfg = config or _DEFAULT_CONFIG
     if cfg.precision not in ("auto", "ieee", "bf16x3"):
