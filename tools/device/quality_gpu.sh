@@ -27,8 +27,8 @@
 # the same prompts for both caches), question-aware, uniform, SnapKV / DropKV / KeyDiff at budget 0.1 and the
 # full cache (1.0) as control: 96 samples x 4 settings = 384 requests per cache dtype, WORKERS=3 engines per
 # dtype, all six at once. Tables: needle_kv_auto.* (bf16 cache: vLLM's default, the model dtype) and
-# needle_kv_fp8.* (`vllm-evict eval --kv-cache-dtype fp8`). Back come $OUT/needle_kv_auto.md,
-# $OUT/needle_kv_fp8.md and $OUT/needle_kv.tgz (every table, request log and shard log). If it prints
+# needle_kv_fp8.* (`vllm-evict eval --kv-cache-dtype fp8`). Back come $OUT/needle_kv.md (both tables)
+# and $OUT/needle_kv.tgz (every table, request log and shard log). If it prints
 # "incomplete", the same command again on the warm machine resumes both. KV_DTYPES picks the cache dtypes
 # (default "auto fp8"), e.g. KV_DTYPES="auto int8_per_token_head int4_per_token_head" for vLLM's per-token-head
 # caches (evicted through its Triton backend): WORKERS engines per dtype, so lower WORKERS for more dtypes.
@@ -51,7 +51,8 @@
 # POLICIES ("core": the 9 policies of docs/DESIGN.md §4; "all" adds tova h2o knorm), BUDGETS ("0.05 0.1 0.2 0.4 1.0"),
 # ALLOCATIONS ("uniform adakv"), KV_DTYPE (vLLM's default; "fp8": an fp8 e4m3 KV cache, give it its own NAME;
 # a per-token-head cache takes ALLOCATIONS=uniform),
-# VARIANTS ("aware agnostic"), CHUNK (1), STOP_AFTER (420), NAME (ruler_gpu), PREDICTIONS (0: the
+# VARIANTS ("aware agnostic"), EAGER (0; 1: no CUDA graphs, so no Triton compiles during graph capture: TurboQuant's
+# took 150-200 s of an engine's start), CHUNK (1), STOP_AFTER (420), NAME (ruler_gpu), PREDICTIONS (0: the
 # per-request log omits generated texts so that ruler_gpu_requests.jsonl.gz stays under the 16 MiB a file
 # that can come back from the device; 1 keeps them).
 # Cost: the defaults are about 2400 samples x 137 settings = 329K requests. On the H100 (2026-11-22,
@@ -94,6 +95,7 @@ eval_args() {  # NAME KV_DTYPE ("" or auto: vLLM's default) -> the array `args`
         --out "$WORK" --name "$1" --resume)
   [ -z "$2" ] || [ "$2" = auto ] || args+=(--kv-cache-dtype "$2")
   [ "${PREDICTIONS:-0}" = 1 ] || args+=(--no-predictions)
+  if [ "${EAGER:-0}" = 1 ]; then args+=(--enforce-eager); fi
 }
 
 launch() {  # NAME KV_DTYPE OFFSET: WORKERS engines in the background (`vllm-evict eval --shard k/WORKERS`)
@@ -180,8 +182,8 @@ run)      # device: convert (once per machine), then evaluate for at most STOP_A
   ;;
 needle-kv)  # device: the needle tasks at 10% on each KV-cache dtype of KV_DTYPES (default bf16 and fp8), same samples, at once
   # Both cache dtypes run side by side (WORKERS engines each), then merge into needle_kv_auto.* and
-  # needle_kv_fp8.* (NAME_PREFIX). What comes back: $OUT/<name>.md for each, and $OUT/needle_kv.tgz with every
-  # table, request log and shard log (a call returns at most 8 files).
+  # needle_kv_fp8.* (NAME_PREFIX). What comes back: $OUT/needle_kv.md with every dtype's table, and
+  # $OUT/needle_kv.tgz with every table, request log and shard log.
   TASKS=${TASKS:-passkey niah_single niah_multikey niah_multivalue} LENGTHS=${LENGTHS:-4096} SAMPLES=${SAMPLES:-24}
   VARIANTS=${VARIANTS:-aware} POLICIES=${POLICIES:-snapkv dropkv keydiff} ALLOCATIONS=${ALLOCATIONS:-uniform}
   BUDGETS=${BUDGETS:-0.1 1.0} WORKERS=${WORKERS:-3} CHUNK=${CHUNK:-4} STOP_AFTER=${STOP_AFTER:-300}
@@ -197,7 +199,9 @@ needle-kv)  # device: the needle tasks at 10% on each KV-cache dtype of KV_DTYPE
     merge "${prefix}_$kvd" "$kvd" || { r=$?; if [ $r = 1 ] || [ $rc = 0 ]; then rc=$r; fi; }
   done
   if [ -n "${OUT:-}" ]; then
-    for kvd in ${KV_DTYPES:-auto fp8}; do cp -f "$WORK/${prefix}_$kvd.md" "$OUT/" 2>/dev/null || true; done
+    for kvd in ${KV_DTYPES:-auto fp8}; do  # one file: a call returns few
+      { echo "# KV cache dtype: $kvd"; cat "$WORK/${prefix}_$kvd.md" 2>/dev/null || echo "(no table)"; echo; }
+    done > "$OUT/$prefix.md"
     tar -C "$WORK" -czf "$OUT/$prefix.tgz" .
   fi
   finish $rc
