@@ -42,7 +42,22 @@ def load_vllm_cpu_ops() -> None:
     sys.modules["vllm._C"] = types.ModuleType("vllm._C")  # loaded: vLLM's own `import vllm._C` is then a no-op
 
 
+def has_vllm_cpu_build() -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def check_in_interpreter(module: str, seeds: int = 4, vllm_kernels: bool = False) -> None:
+    if vllm_kernels and not has_vllm_cpu_build():
+        import pytest
+
+        pytest.skip("vLLM's own Triton kernels run in the interpreter through vLLM's CPU build (vllm-cpu); this "
+                    "vLLM is another build, whose CUDA tests run those kernels compiled")
     # from outside the checkout, with the checkout last on sys.path (for `tests`): `vllm_evict` is the
     # installed package (with .kernels), also where nothing is pip-installed (the GPU machine's mirror)
     script = f"import sys; sys.path.append({str(REPO)!r}); {VLLM_KERNELS if vllm_kernels else ''}" \
