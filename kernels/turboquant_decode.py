@@ -1,0 +1,123 @@
+"""Decode attention over vLLM's TurboQuant slots, one program per (request, KV head, KV split).
+
+vLLM 0.26's TurboQuant decode (`triton_turboquant_decode_attention`) runs a program per (request, query head,
+split) with one warp and tiles of 4 tokens: under GQA every slot is fetched and decoded once per query head
+of its group (4 times for Llama-3.1-8B), and its key and value bytes are gathered a few tokens at a time. On
+an H100 its steps read the cache at about 0.3 TB/s (docs/BENCHMARKS.md, "TurboQuant KV caches"). Here a
+program decodes each slot of its KV head once, in tiles of BLOCK_N tokens, and attends with all the group's
+query heads to it. It writes vLLM's split-KV partials, which vLLM's own stage-2 kernel reduces
+(engine/turboquant_backend.decode_attention).
+
+decode_partials(query, kv_cache, block_table, seq_lens, config, centroids, rotation_t, scale, fp8_e4b15, partials)
+    query [B, Hq, D] (the model dtype); kv_cache [num_blocks, N, Hk, S] uint8 (any strides: the engine's is
+    head-major); block_table [B, max_blocks] int32; seq_lens [B] int32; config: vLLM's TurboQuantConfig of the
+    preset; centroids [2^bits] float32; rotation_t [D, D] float32 (the Hadamard matrix transposed: queries
+    rotate into the keys' basis, as vLLM's do); scale: the softmax scale; partials [B, Hq, splits, D + 1]
+    float32, written where a split holds tokens (vLLM's bounds: splits of cdiv(seq_len, splits) tokens):
+    the split's attention output and, at D, its log-sum-exp of scaled scores.
+
+The slot format and its decoding are kernels/turboquant_slots.py's. decode_attention_reference below is the
+whole attention (partials reduced) in torch ops over dequantize_slots_reference;
+tests/kernels/test_turboquant_decode.py checks the engine's decode against it and against vLLM's own decode
+(Triton interpreter and GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_evict.kernels.turboquant_slots import _slot_key, _slot_value, dequantize_slots_reference, slot_layout
+
+BLOCK_N = 16   # tokens a tile
+NUM_WARPS = 4
+
+
+@triton.jit
+def _decode_partials_kernel(query, kv, block_table, seq_lens, centroids, partials,
+                            stride_qb, stride_qh, stride_block, stride_pos, stride_head, stride_table,
+                            stride_pb, stride_ph, stride_ps,
+                            GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+                            PAGE: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr, SCALE: tl.constexpr,
+                            KEY_FP8: tl.constexpr, FP8_E4B15: tl.constexpr, KEY_BITS: tl.constexpr,
+                            NORM_AT: tl.constexpr, NORM_CORRECTION: tl.constexpr, VALUE_AT: tl.constexpr,
+                            VALUE_BITS: tl.constexpr, SCALE_AT: tl.constexpr):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + b)
+    split_len = tl.cdiv(seq_len, SPLITS)  # vLLM's split bounds: its stage 2 reads the non-empty splits
+    lo = split_len * split
+    hi = tl.minimum(lo + split_len, seq_len)
+    if lo < hi:
+        group = tl.arange(0, GROUP_P)
+        heads = kv_head * GROUP + group
+        cols = tl.arange(0, D_P)
+        head_ok = group < GROUP
+        q_mask = head_ok[:, None] & (cols < D)[None, :]
+        q = tl.load(query + b * stride_qb + heads[:, None] * stride_qh + cols[None, :], mask=q_mask,
+                    other=0.0).to(tl.float32)                                                  # [GROUP_P, D_P]
+        m = tl.full([GROUP_P], float("-inf"), tl.float32)
+        l = tl.zeros([GROUP_P], tl.float32)
+        acc = tl.zeros([GROUP_P, D_P], tl.float32)
+        head_at = kv_head.to(tl.int64) * stride_head
+        for first in range(lo, hi, BLOCK):
+            tokens = first + tl.arange(0, BLOCK)
+            ok = tokens < hi
+            blocks = tl.load(block_table + b * stride_table + tokens // PAGE, mask=ok, other=0).to(tl.int64)
+            start = blocks * stride_block + (tokens % PAGE).to(tl.int64) * stride_pos + head_at  # [BLOCK] bytes
+            mask = ok[:, None] & (cols < D)[None, :]
+            key = _slot_key(kv, kv, start, cols, mask, ok, centroids, 0, KEY_FP8, FP8_E4B15, KEY_BITS, NORM_AT,
+                            NORM_CORRECTION)                                                  # [BLOCK, D_P]
+            scores = tl.sum(q[:, None, :] * key[None, :, :], axis=2) * SCALE                # [GROUP_P, BLOCK]
+            scores = tl.where(ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            value = _slot_value(kv, kv, start, cols, mask, ok, 0, VALUE_AT, VALUE_BITS, SCALE_AT)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * value[None, :, :], axis=1)
+            l = l * alpha + tl.sum(p, axis=1)
+            m = m_new
+        out = partials + b * stride_pb + heads * stride_ph + split * stride_ps                  # [GROUP_P]
+        tl.store(out[:, None] + cols[None, :], acc / l[:, None], mask=q_mask)
+        tl.store(out + D, m + tl.log(l), mask=head_ok)
+
+
+def decode_partials(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    config, centroids: torch.Tensor, rotation_t: torch.Tensor, scale: float, fp8_e4b15: bool,
+                    partials: torch.Tensor) -> torch.Tensor:
+    """partials [B, Hq, splits, D + 1] of query [B, Hq, D] over the TurboQuant cache (module docstring)."""
+    B, Hq, D = query.shape
+    _, page, Hk, _ = kv_cache.shape
+    if Hq % Hk or partials.shape[:2] != (B, Hq) or partials.shape[3] != D + 1:
+        raise ValueError(f"query {tuple(query.shape)} over {Hk} KV heads with partials {tuple(partials.shape)}")
+    # MSE keys are stored in the rotated basis: rotate the queries there (fp8 keys are stored as they are)
+    q = query.contiguous() if config.key_fp8 else (query.float() @ rotation_t).contiguous()
+    group, splits = Hq // Hk, partials.shape[2]
+    _decode_partials_kernel[(B, Hk, splits)](
+        q, kv_cache, block_table, seq_lens, centroids, partials, q.stride(0), q.stride(1), kv_cache.stride(0),
+        kv_cache.stride(1), kv_cache.stride(2), block_table.stride(0), partials.stride(0), partials.stride(1),
+        partials.stride(2), GROUP=group, GROUP_P=triton.next_power_of_2(group), D=D,
+        D_P=triton.next_power_of_2(D), PAGE=page, SPLITS=splits, BLOCK=BLOCK_N, SCALE=scale,
+        FP8_E4B15=bool(fp8_e4b15), **slot_layout(config), num_warps=NUM_WARPS)
+    return partials
+
+
+def decode_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                               seq_lens: torch.Tensor, config, centroids: torch.Tensor, rotation: torch.Tensor,
+                               scale: float, fp8_e4b15: bool = False) -> torch.Tensor:
+    """The same in torch ops, float32: each request's slots decoded (keys in the model's basis), softmax
+    attention per query head over its KV head (GQA: query head h reads KV head h // (Hq / Hk))."""
+    B, Hq, D = query.shape
+    page, Hk = kv_cache.shape[1], kv_cache.shape[2]
+    out = torch.empty(B, Hq, D, dtype=torch.float32, device=query.device)
+    for b in range(B):
+        n = int(seq_lens[b])
+        tokens = torch.arange(n, device=kv_cache.device)
+        slots = kv_cache[block_table[b, tokens // page].long(), tokens % page]                # [n, Hk, S]
+        keys, values = dequantize_slots_reference(slots, config, centroids, rotation, fp8_e4b15)
+        keys, values = (x.repeat_interleave(Hq // Hk, dim=1) for x in (keys, values))       # [n, Hq, D]
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", query[b].float(), keys) * scale, dim=-1)
+        out[b] = torch.einsum("hn,nhd->hd", weights, values)
+    return out
