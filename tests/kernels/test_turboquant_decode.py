@@ -2,11 +2,11 @@
 vLLM's stage 2, engine/turboquant_backend.decode_attention) against the torch reference and against vLLM's own
 TurboQuant decode.
 
-Fresh random slots of each preset (vllm_evict.testing.turboquant.random_slots) at head sizes 64 and 128 in
-a head-major cache viewed as vLLM's kernels take it, shuffled block tables, requests of 1 token (most KV splits
-empty) up to 300 tokens (several tiles a split), GQA groups of 4, 3 (padded to 4) and 1; k8v4 also with e4b15 keys against the
-reference. CPU (CI, the slow suite): the kernels in the Triton interpreter (subprocess). GPU (``-m gpu``): compiled, float32 and
-bf16 queries."""
+Fresh random slots of each preset (vllm_evict.testing.turboquant.random_slots) at head sizes 64 and 128 in a
+head-major cache viewed as vLLM's kernels take it, shuffled block tables, requests of 1 token (most KV splits
+empty) up to 300 tokens (several tiles a split), GQA groups of 4, 3 (padded to 4) and 1; k8v4 also with e4b15
+keys against the reference. CPU (CI, the slow suite): the kernels in the Triton interpreter (subprocess). GPU
+(``-m gpu``): compiled, float32 and bf16 queries."""
 
 from __future__ import annotations
 
