@@ -107,8 +107,9 @@ def decode_partials(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
 def decode_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                                seq_lens: torch.Tensor, config, centroids: torch.Tensor, rotation: torch.Tensor,
                                scale: float, fp8_e4b15: bool = False) -> torch.Tensor:
-    """The same in torch ops, float32: each request's slots decoded (keys in the model's basis), softmax
-    attention per query head over its KV head (GQA: query head h reads KV head h // (Hq / Hk))."""
+    """Attention [B, Hq, D] (float32) of query over the cache in torch ops: decode_partials' partials reduced,
+    without splits. Each request's slots decoded (keys in the model's basis), softmax attention per query head
+    over its KV head (GQA: query head h reads KV head h // (Hq / Hk))."""
     B, Hq, D = query.shape
     page, Hk = kv_cache.shape[1], kv_cache.shape[2]
     out = torch.empty(B, Hq, D, dtype=torch.float32, device=query.device)
