@@ -6,15 +6,18 @@ Llama-3.1-8B head shapes (32 query heads, 8 KV heads, head size 128), bf16 queri
 in a head-major cache of 32-token blocks (the engine's layout and vLLM's TurboQuant block), shuffled block
 tables, 32 KV splits (vLLM's default for CUDA graphs). Each shape is REQUESTSxTOKENS: the default ones are a
 DropKV 10% engine at capacity on an H100 (328 requests of about 3,400 tokens), vanilla's (38 of 32K) and a
-mid-size batch. Times: triton.testing.do_bench medians over several caches in turn (no L2 reuse), each
-checked against the other kernel first; GB/s counts the slot bytes a step must read once.
+mid-size batch. Each launch of the engine's stage 1 (BLOCK_NxNUM_WARPS; the first is the engine's own) is
+checked against vLLM's output, then timed. Times: triton.testing.do_bench medians over several caches in turn
+(no L2 reuse), each twice; GB/s counts the slot bytes a step must read once.
 
 usage: python benchmarks/turboquant_decode.py [--presets turboquant_4bit_nc ...] [--shapes 328x3400 38x32768]
+                                              [--launches 16x4 32x4 ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -22,10 +25,12 @@ import torch
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the installed layout first
 
+from vllm_evict.kernels.turboquant_decode import BLOCK_N, NUM_WARPS  # noqa: E402
+
 PAGE, HQ, HK, D, SPLITS, CACHES = 32, 32, 8, 128, 32, 3
 
 
-def case(preset: str, requests: int, tokens: int, seed: int = 0) -> dict:
+def case(preset: str, requests: int, tokens: int, launches: list[tuple[int, int]], seed: int = 0) -> dict:
     import triton.testing
     from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
     from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
@@ -50,34 +55,31 @@ def case(preset: str, requests: int, tokens: int, seed: int = 0) -> dict:
     partials = torch.empty(requests, HQ, SPLITS, D + 1, device="cuda")
     out = torch.empty(requests, HQ, D, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(requests, HQ, device="cuda")
-    turn = iter(range(1 << 62))
 
-    def ours():
-        kv, table = sets[next(turn) % CACHES]
+    def ours(kv, table, block_n, num_warps):
         return decode_attention(query, kv, table, seq_lens, config, centroids, rotation.T.contiguous(), D ** -0.5,
-                                False, partials, out, lse)
+                                False, partials, out, lse, block_n=block_n, num_warps=num_warps)
 
-    def vllm():
-        kv, table = sets[next(turn) % CACHES]
+    def vllm(kv, table):
         return triton_turboquant_decode_attention(
             query, kv, table, seq_lens, rotation, centroids, D ** -0.5, config.key_mse_bits, config.key_packed_size,
             config.effective_value_quant_bits, key_fp8=config.key_fp8, norm_correction=config.norm_correction,
             PiT=rotation.T.contiguous(), max_num_kv_splits=SPLITS)
 
-    kv, table = sets[0]
-    expected = triton_turboquant_decode_attention(
-        query, kv, table, seq_lens, rotation, centroids, D ** -0.5, config.key_mse_bits, config.key_packed_size,
-        config.effective_value_quant_bits, key_fp8=config.key_fp8, norm_correction=config.norm_correction,
-        max_num_kv_splits=SPLITS).float()
-    got = decode_attention(query, kv, table, seq_lens, config, centroids, rotation.T.contiguous(), D ** -0.5, False,
-                           partials, out, lse).float()
-    error = float((got - expected).norm() / expected.norm())
+    def median_ms(fn):  # each call on the next cache set
+        turn = itertools.count()
+        return triton.testing.do_bench(lambda: fn(*sets[next(turn) % CACHES]), warmup=50, rep=300,
+                                       return_mode="median")
+
+    expected = vllm(*sets[0]).float()
     slot_bytes = requests * tokens * HK * config.slot_size_aligned
-    times = {name: triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-             for name, fn in (("vllm", vllm), ("ours", ours), ("vllm again", vllm), ("ours again", ours))}
-    return dict(preset=preset, requests=requests, tokens=tokens, error_vs_vllm=error, slot_gb=slot_bytes / 1e9,
-                **{f"{name} ms": ms for name, ms in times.items()},
-                **{f"{name} GB/s": slot_bytes / (ms * 1e-3) / 1e9 for name, ms in times.items()})
+    row = dict(slot_gb=slot_bytes / 1e9, vllm_ms=[median_ms(vllm), median_ms(vllm)], launches={})
+    for block_n, num_warps in launches:
+        got = ours(*sets[0], block_n, num_warps).float()
+        timed = [median_ms(lambda kv, table: ours(kv, table, block_n, num_warps)) for _ in range(2)]
+        row["launches"][f"{block_n}x{num_warps}"] = dict(
+            ms=timed, error_vs_vllm=float((got - expected).norm() / expected.norm()))
+    return row
 
 
 def main() -> None:
@@ -86,19 +88,24 @@ def main() -> None:
                                                          "turboquant_k8v4"])
     parser.add_argument("--shapes", nargs="+", default=["328x3400", "38x32768", "64x8192"],
                         help="REQUESTSxTOKENS per step")
+    parser.add_argument("--launches", nargs="+", default=[f"{BLOCK_N}x{NUM_WARPS}", "32x4", "16x8", "8x2"],
+                        help="BLOCK_NxNUM_WARPS of the engine's stage 1 (the first: the engine's own)")
     args = parser.parse_args()
+    launches = [tuple(map(int, launch.split("x"))) for launch in args.launches]
     print(torch.cuda.get_device_name(), flush=True)
-    print("| preset | requests x tokens | slot GB | vLLM ms | ours ms | vLLM GB/s | ours GB/s | speed-up | "
-          "‖ours − vLLM‖ / ‖vLLM‖ |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| preset | requests x tokens | slot GB | vLLM ms (again) | launch | ours ms (again) | vLLM GB/s | ours GB/s "
+          "| speed-up | ‖ours − vLLM‖ / ‖vLLM‖ |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for preset in args.presets:
         for shape in args.shapes:
             requests, tokens = map(int, shape.split("x"))
-            r = case(preset, requests, tokens)
-            print(f"| {preset} | {requests} x {tokens} | {r['slot_gb']:.2f} | {r['vllm ms']:.3f} "
-                  f"({r['vllm again ms']:.3f}) | {r['ours ms']:.3f} ({r['ours again ms']:.3f}) | "
-                  f"{r['vllm GB/s']:.0f} | {r['ours GB/s']:.0f} | {r['vllm ms'] / r['ours ms']:.2f}x | "
-                  f"{r['error_vs_vllm']:.1e} |", flush=True)
+            r = case(preset, requests, tokens, launches)
+            gb, (vllm_ms, vllm_again) = r["slot_gb"], r["vllm_ms"]
+            for launch, m in r["launches"].items():
+                ms, again = m["ms"]
+                print(f"| {preset} | {requests} x {tokens} | {gb:.2f} | {vllm_ms:.3f} ({vllm_again:.3f}) | {launch} "
+                      f"| {ms:.3f} ({again:.3f}) | {gb / vllm_ms * 1e3:.0f} | {gb / ms * 1e3:.0f} "
+                      f"| {vllm_ms / ms:.2f}x | {m['error_vs_vllm']:.1e} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -86,8 +86,9 @@ def _decode_partials_kernel(query, kv, block_table, seq_lens, centroids, partial
 
 def decode_partials(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                     config, centroids: torch.Tensor, rotation_t: torch.Tensor, scale: float, fp8_e4b15: bool,
-                    partials: torch.Tensor) -> torch.Tensor:
-    """partials [B, Hq, splits, D + 1] of query [B, Hq, D] over the TurboQuant cache (module docstring)."""
+                    partials: torch.Tensor, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """partials [B, Hq, splits, D + 1] of query [B, Hq, D] over the TurboQuant cache (module docstring);
+    block_n tokens a tile and num_warps a program (benchmarks/turboquant_decode.py compares launches)."""
     B, Hq, D = query.shape
     _, page, Hk, _ = kv_cache.shape
     if Hq % Hk or partials.shape[:2] != (B, Hq) or partials.shape[3] != D + 1:
@@ -99,8 +100,8 @@ def decode_partials(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
         q, kv_cache, block_table, seq_lens, centroids, partials, q.stride(0), q.stride(1), kv_cache.stride(0),
         kv_cache.stride(1), kv_cache.stride(2), block_table.stride(0), partials.stride(0), partials.stride(1),
         partials.stride(2), GROUP=group, GROUP_P=triton.next_power_of_2(group), D=D,
-        D_P=triton.next_power_of_2(D), PAGE=page, SPLITS=splits, BLOCK=BLOCK_N, SCALE=scale,
-        FP8_E4B15=bool(fp8_e4b15), **slot_layout(config), num_warps=NUM_WARPS)
+        D_P=triton.next_power_of_2(D), PAGE=page, SPLITS=splits, BLOCK=block_n, SCALE=scale,
+        FP8_E4B15=bool(fp8_e4b15), **slot_layout(config), num_warps=num_warps)
     return partials
 
 

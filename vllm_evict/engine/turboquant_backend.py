@@ -80,12 +80,14 @@ class TurboQuantPagedCache(HndPagedCache):
 
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      config, centroids: torch.Tensor, rotation_t: torch.Tensor, scale: float, fp8_e4b15: bool,
-                     partials: torch.Tensor, output: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+                     partials: torch.Tensor, output: torch.Tensor, lse: torch.Tensor, **launch) -> torch.Tensor:
     """output [B, Hq, D] (its dtype: the query's) of decode rows query [B, Hq, D]: the split partials of
-    kernels/turboquant_decode.decode_partials (same arguments), reduced by vLLM's stage-2 kernel into output and
-    lse [B, Hq] (the log-sum-exp), as vLLM's TurboQuant decode reduces its own."""
+    kernels/turboquant_decode.decode_partials (same arguments; launch: its block_n / num_warps), reduced by
+    vLLM's stage-2 kernel into output and lse [B, Hq] (the log-sum-exp), as vLLM's TurboQuant decode reduces
+    its own."""
     B, Hq, D = query.shape
-    decode_partials(query, kv_cache, block_table, seq_lens, config, centroids, rotation_t, scale, fp8_e4b15, partials)
+    decode_partials(query, kv_cache, block_table, seq_lens, config, centroids, rotation_t, scale, fp8_e4b15, partials,
+                    **launch)
     _fwd_kernel_stage2[(B, Hq)](
         partials, output, lse, seq_lens, partials.stride(0), partials.stride(1), partials.stride(2),
         output.stride(0), output.stride(1), lse.stride(0), NUM_KV_SPLITS=partials.shape[2],
