@@ -3,9 +3,9 @@
 vLLM 0.26's TurboQuant decode (`triton_turboquant_decode_attention`) runs a program per (request, query head,
 split) with one warp and tiles of 4 tokens: under GQA every slot is fetched and decoded once per query head
 of its group (4 times for Llama-3.1-8B), and its key and value bytes are gathered a few tokens at a time. On
-an H100 its steps read the cache at about 0.3 TB/s (docs/BENCHMARKS.md, "TurboQuant KV caches"). Here a
-program decodes each slot of its KV head once, in tiles of BLOCK_N tokens, and attends with all the group's
-query heads to it. It writes vLLM's split-KV partials, which vLLM's own stage-2 kernel reduces
+an H100 its decode steps moved about 0.3 TB/s of KV, bytes over whole-step time (docs/BENCHMARKS.md,
+"TurboQuant KV caches"). Here a program decodes each slot of its KV head once, in tiles of BLOCK_N tokens, and
+attends with all the group's query heads to it. It writes vLLM's split-KV partials, which vLLM's own stage-2 kernel reduces
 (engine/turboquant_backend.decode_attention).
 
 decode_partials(query, kv_cache, block_table, seq_lens, config, centroids, rotation_t, scale, fp8_e4b15, partials)
