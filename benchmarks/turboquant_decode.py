@@ -6,7 +6,7 @@ Llama-3.1-8B head shapes (32 query heads, 8 KV heads, head size 128), bf16 queri
 in a head-major cache of 32-token blocks (the engine's layout and vLLM's TurboQuant block), shuffled block
 tables, 32 KV splits (vLLM's default for CUDA graphs). Each shape is REQUESTSxTOKENS: the default ones are a
 DropKV 10% engine at capacity on an H100 (328 requests of about 3,400 tokens), vanilla's (38 of 32K) and a
-mid-size batch. Each launch of the engine's stage 1 (BLOCK_NxNUM_WARPS; the first is the engine's own) is
+mid-size batch. Each launch of the engine's stage 1 (BLOCK_NxNUM_WARPS[:PRECISION]; the first is the engine's own) is
 checked against vLLM's output, then timed. Times: triton.testing.do_bench medians over several caches in turn
 (no L2 reuse), each twice; GB/s counts the slot bytes a step must read once.
 
@@ -25,12 +25,12 @@ import torch
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the installed layout first
 
-from vllm_evict.kernels.turboquant_decode import BLOCK_N, NUM_WARPS  # noqa: E402
+from vllm_evict.kernels.turboquant_decode import BLOCK_N, NUM_WARPS, PRECISION  # noqa: E402
 
 PAGE, HQ, HK, D, SPLITS, CACHES = 32, 32, 8, 128, 32, 3
 
 
-def case(preset: str, requests: int, tokens: int, launches: list[tuple[int, int]], seed: int = 0) -> dict:
+def case(preset: str, requests: int, tokens: int, launches: list[str], seed: int = 0) -> dict:
     import triton.testing
     from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
     from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
@@ -56,9 +56,9 @@ def case(preset: str, requests: int, tokens: int, launches: list[tuple[int, int]
     out = torch.empty(requests, HQ, D, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(requests, HQ, device="cuda")
 
-    def ours(kv, table, block_n, num_warps):
+    def ours(kv, table, launch):
         return decode_attention(query, kv, table, seq_lens, config, centroids, rotation.T.contiguous(), D ** -0.5,
-                                False, partials, out, lse, block_n=block_n, num_warps=num_warps)
+                                False, partials, out, lse, **launch_arguments(launch))
 
     def vllm(kv, table):
         return triton_turboquant_decode_attention(
@@ -74,12 +74,19 @@ def case(preset: str, requests: int, tokens: int, launches: list[tuple[int, int]
     expected = vllm(*sets[0]).float()
     slot_bytes = requests * tokens * HK * config.slot_size_aligned
     row = dict(slot_gb=slot_bytes / 1e9, vllm_ms=[median_ms(vllm), median_ms(vllm)], launches={})
-    for block_n, num_warps in launches:
-        got = ours(*sets[0], block_n, num_warps).float()
-        timed = [median_ms(lambda kv, table: ours(kv, table, block_n, num_warps)) for _ in range(2)]
-        row["launches"][f"{block_n}x{num_warps}"] = dict(
+    for launch in launches:
+        got = ours(*sets[0], launch).float()
+        timed = [median_ms(lambda kv, table: ours(kv, table, launch)) for _ in range(2)]
+        row["launches"][launch] = dict(
             ms=timed, error_vs_vllm=float((got - expected).norm() / expected.norm()))
     return row
+
+
+def launch_arguments(launch: str) -> dict:
+    """decode_partials' launch arguments of BLOCK_NxNUM_WARPS[:PRECISION]."""
+    tiles, _, precision = launch.partition(":")
+    block_n, num_warps = map(int, tiles.split("x"))
+    return dict(block_n=block_n, num_warps=num_warps, precision=precision or PRECISION)
 
 
 def main() -> None:
@@ -88,10 +95,12 @@ def main() -> None:
                                                          "turboquant_k8v4"])
     parser.add_argument("--shapes", nargs="+", default=["328x3400", "38x32768", "64x8192"],
                         help="REQUESTSxTOKENS per step")
-    parser.add_argument("--launches", nargs="+", default=[f"{BLOCK_N}x{NUM_WARPS}", "32x4", "16x8", "8x2"],
-                        help="BLOCK_NxNUM_WARPS of the engine's stage 1 (the first: the engine's own)")
+    parser.add_argument("--launches", nargs="+", default=[f"{BLOCK_N}x{NUM_WARPS}", "16x4", "64x4", "32x8", "64x8",
+                                                          f"{BLOCK_N}x{NUM_WARPS}:tf32"],
+                        help="BLOCK_NxNUM_WARPS[:PRECISION] of the engine's stage 1 (the first: the engine's own, "
+                             f"precision {PRECISION} unless named)")
     args = parser.parse_args()
-    launches = [tuple(map(int, launch.split("x"))) for launch in args.launches]
+    launches = args.launches
     print(torch.cuda.get_device_name(), flush=True)
     print("| preset | requests x tokens | slot GB | vLLM ms (again) | launch | ours ms (again) | vLLM GB/s | ours GB/s "
           "| speed-up | ‖ours − vLLM‖ / ‖vLLM‖ |")

@@ -60,6 +60,18 @@ def _fp16(first, second, row, b, HALF: tl.constexpr, mask):
 
 
 @triton.jit
+def _fp8(bits, FP8_E4B15: tl.constexpr):
+    """The fp8 keys of bytes `bits` (int32), decoded from their bits (float32): e4m3, or e4b15."""
+    exponent = ((bits >> 3) & 0xF).to(tl.float32)
+    mantissa = (bits & 0x7).to(tl.float32)
+    if FP8_E4B15:  # exponent bias 15, no infinities or NaN; subnormal: mantissa x 2^-17
+        magnitude = tl.where(exponent > 0, (8.0 + mantissa) * tl.exp2(exponent - 18.0), mantissa * 7.62939453125e-06)
+    else:  # e4m3: bias 7; subnormal: mantissa x 2^-9
+        magnitude = tl.where(exponent > 0, (8.0 + mantissa) * tl.exp2(exponent - 10.0), mantissa * 0.001953125)
+    return tl.where(bits >= 128, -magnitude, magnitude)
+
+
+@triton.jit
 def _codes(first, second, row, cols, start, BITS: tl.constexpr, HALF: tl.constexpr, mask):
     """The BITS-bit code of coordinate `cols` of the bit stream from byte `start` of each slot."""
     bit = cols * BITS
@@ -75,15 +87,7 @@ def _slot_key(first, second, start, cols, mask, row_ok, centroids, HALF: tl.cons
     as vLLM's attention reads them: fp8 decoded, or norm x (renormalised) codes in the rotated basis."""
     row = start[:, None]
     if KEY_FP8:
-        bits = _byte(first, second, row, cols[None, :], HALF, mask)
-        exponent = ((bits >> 3) & 0xF).to(tl.float32)
-        mantissa = (bits & 0x7).to(tl.float32)
-        if FP8_E4B15:  # exponent bias 15, no infinities or NaN; subnormal: mantissa x 2^-17
-            magnitude = tl.where(exponent > 0, (8.0 + mantissa) * tl.exp2(exponent - 18.0),
-                                 mantissa * 7.62939453125e-06)
-        else:  # e4m3: bias 7; subnormal: mantissa x 2^-9
-            magnitude = tl.where(exponent > 0, (8.0 + mantissa) * tl.exp2(exponent - 10.0), mantissa * 0.001953125)
-        key = tl.where(bits >= 128, -magnitude, magnitude)
+        key = _fp8(_byte(first, second, row, cols[None, :], HALF, mask), FP8_E4B15)
     else:
         codes = _codes(first, second, row, cols[None, :], 0, KEY_BITS, HALF, mask)
         unit = tl.load(centroids + codes, mask=mask, other=0.0)
