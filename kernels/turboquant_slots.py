@@ -35,17 +35,12 @@ BLOCK_M = 32
 
 @triton.jit
 def _byte(first, second, row, b, HALF: tl.constexpr, mask):
-    """Byte b of each slot (int32) whose halves start at first + row and second + row, or (HALF = 0) of the
-    whole slot at first + row (a cache's own slots; `second` unread)."""
+    """Byte b of each slot (int32) whose halves start at first + row and second + row."""
     b = b + tl.zeros_like(row)  # a tensor also for a constant b
-    if HALF == 0:
-        byte = tl.load(first + row + b, mask=mask, other=0)
-    else:
-        in_first = b < HALF
-        low = tl.load(first + row + b, mask=mask & in_first, other=0)
-        high = tl.load(second + row + (b - HALF), mask=mask & (b >= HALF), other=0)
-        byte = tl.where(in_first, low, high)
-    return byte.to(tl.int32)
+    in_first = b < HALF
+    low = tl.load(first + row + b, mask=mask & in_first, other=0)
+    high = tl.load(second + row + (b - HALF), mask=mask & (b >= HALF), other=0)
+    return tl.where(in_first, low, high).to(tl.int32)
 
 
 @triton.jit
@@ -60,59 +55,12 @@ def _fp16(first, second, row, b, HALF: tl.constexpr, mask):
 
 
 @triton.jit
-def _fp8(bits, FP8_E4B15: tl.constexpr):
-    """The fp8 keys of bytes `bits` (int32), decoded from their bits (float32): e4m3, or e4b15."""
-    exponent = ((bits >> 3) & 0xF).to(tl.float32)
-    mantissa = (bits & 0x7).to(tl.float32)
-    if FP8_E4B15:  # exponent bias 15, no infinities or NaN; subnormal: mantissa x 2^-17
-        magnitude = tl.where(exponent > 0, (8.0 + mantissa) * tl.exp2(exponent - 18.0), mantissa * 7.62939453125e-06)
-    else:  # e4m3: bias 7; subnormal: mantissa x 2^-9
-        magnitude = tl.where(exponent > 0, (8.0 + mantissa) * tl.exp2(exponent - 10.0), mantissa * 0.001953125)
-    return tl.where(bits >= 128, -magnitude, magnitude)
-
-
-@triton.jit
 def _codes(first, second, row, cols, start, BITS: tl.constexpr, HALF: tl.constexpr, mask):
     """The BITS-bit code of coordinate `cols` of the bit stream from byte `start` of each slot."""
     bit = cols * BITS
     byte = start + bit // 8
     pair = _byte(first, second, row, byte, HALF, mask) | (_byte(first, second, row, byte + 1, HALF, mask) << 8)
     return (pair >> (bit % 8)) & ((1 << BITS) - 1)
-
-
-@triton.jit
-def _slot_key(first, second, start, cols, mask, row_ok, centroids, HALF: tl.constexpr, KEY_FP8: tl.constexpr,
-              FP8_E4B15: tl.constexpr, KEY_BITS: tl.constexpr, NORM_AT: tl.constexpr, NORM_CORRECTION: tl.constexpr):
-    """Keys [rows, D_P] (float32) of the slots at `start` [rows] (byte offsets; mask [rows, D_P], row_ok [rows]),
-    as vLLM's attention reads them: fp8 decoded, or norm x (renormalised) codes in the rotated basis."""
-    row = start[:, None]
-    if KEY_FP8:
-        key = _fp8(_byte(first, second, row, cols[None, :], HALF, mask), FP8_E4B15)
-    else:
-        codes = _codes(first, second, row, cols[None, :], 0, KEY_BITS, HALF, mask)
-        unit = tl.load(centroids + codes, mask=mask, other=0.0)
-        if NORM_CORRECTION:
-            unit = unit * tl.rsqrt(tl.sum(unit * unit, axis=1) + 1e-16)[:, None]
-        key = _fp16(first, second, start, NORM_AT, HALF, row_ok)[:, None] * unit
-    return key
-
-
-@triton.jit
-def _slot_value(first, second, start, cols, mask, row_ok, HALF: tl.constexpr, VALUE_AT: tl.constexpr,
-                VALUE_BITS: tl.constexpr, SCALE_AT: tl.constexpr):
-    """Values [rows, D_P] (float32) of the slots at `start` [rows]: code x scale + zero."""
-    codes = _codes(first, second, start[:, None], cols[None, :], VALUE_AT, VALUE_BITS, HALF, mask).to(tl.float32)
-    scale = _fp16(first, second, start, SCALE_AT, HALF, row_ok)
-    zero = _fp16(first, second, start, SCALE_AT + 2, HALF, row_ok)
-    return codes * scale[:, None] + zero[:, None]
-
-
-def slot_layout(config) -> dict:
-    """The byte layout of a preset's slots (constexpr arguments of _slot_key / _slot_value)."""
-    return dict(KEY_FP8=bool(config.key_fp8), KEY_BITS=8 if config.key_fp8 else config.key_mse_bits,
-                NORM_AT=config.key_packed_size - 2, NORM_CORRECTION=bool(config.norm_correction),
-                VALUE_AT=config.key_packed_size, VALUE_BITS=config.value_quant_bits,
-                SCALE_AT=config.key_packed_size + config.value_packed_size - 4)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -126,9 +74,27 @@ def _dequantize_slots_kernel(first, second, centroids, keys, values, M,
     row_ok = rows < M
     mask = row_ok[:, None] & (cols < D)[None, :]
     start = rows.to(tl.int64) * HALF
-    key = _slot_key(first, second, start, cols, mask, row_ok, centroids, HALF, KEY_FP8, FP8_E4B15, KEY_BITS,
-                    NORM_AT, NORM_CORRECTION)
-    value = _slot_value(first, second, start, cols, mask, row_ok, HALF, VALUE_AT, VALUE_BITS, SCALE_AT)
+    row = start[:, None]
+    if KEY_FP8:
+        bits = _byte(first, second, row, cols[None, :], HALF, mask)
+        exponent = ((bits >> 3) & 0xF).to(tl.float32)
+        mantissa = (bits & 0x7).to(tl.float32)
+        if FP8_E4B15:  # exponent bias 15, no infinities or NaN; subnormal: mantissa x 2^-17
+            magnitude = tl.where(exponent > 0, (8.0 + mantissa) * tl.exp2(exponent - 18.0),
+                                 mantissa * 7.62939453125e-06)
+        else:  # e4m3: bias 7; subnormal: mantissa x 2^-9
+            magnitude = tl.where(exponent > 0, (8.0 + mantissa) * tl.exp2(exponent - 10.0), mantissa * 0.001953125)
+        key = tl.where(bits >= 128, -magnitude, magnitude)
+    else:
+        codes = _codes(first, second, row, cols[None, :], 0, KEY_BITS, HALF, mask)
+        unit = tl.load(centroids + codes, mask=mask, other=0.0)
+        if NORM_CORRECTION:
+            unit = unit * tl.rsqrt(tl.sum(unit * unit, axis=1) + 1e-16)[:, None]
+        key = _fp16(first, second, start, NORM_AT, HALF, row_ok)[:, None] * unit
+    value_codes = _codes(first, second, row, cols[None, :], VALUE_AT, VALUE_BITS, HALF, mask).to(tl.float32)
+    scale = _fp16(first, second, start, SCALE_AT, HALF, row_ok)
+    zero = _fp16(first, second, start, SCALE_AT + 2, HALF, row_ok)
+    value = value_codes * scale[:, None] + zero[:, None]
     out = rows.to(tl.int64)[:, None] * D + cols[None, :]
     tl.store(keys + out, key.to(keys.dtype.element_ty), mask=mask)
     tl.store(values + out, value.to(values.dtype.element_ty), mask=mask)
@@ -159,9 +125,14 @@ def dequantize_slots(first: torch.Tensor, second: torch.Tensor, config, centroid
     keys = torch.empty(M, D, dtype=dtype if config.key_fp8 else torch.float32, device=first.device)
     values = torch.empty(M, D, dtype=dtype, device=first.device)
     if M:
+        key_bits = 8 if config.key_fp8 else config.key_mse_bits
+        value_data = config.value_packed_size - 4
         _dequantize_slots_kernel[(triton.cdiv(M, BLOCK_M),)](
             first_rows, second_rows, centroids, keys, values, M, HALF=half, D=D, D_P=triton.next_power_of_2(D),
-            BLOCK=BLOCK_M, FP8_E4B15=bool(fp8_e4b15), **slot_layout(config))
+            BLOCK=BLOCK_M, KEY_FP8=bool(config.key_fp8), FP8_E4B15=bool(fp8_e4b15), KEY_BITS=key_bits,
+            NORM_AT=config.key_packed_size - 2, NORM_CORRECTION=bool(config.norm_correction),
+            VALUE_AT=config.key_packed_size, VALUE_BITS=config.value_quant_bits,
+            SCALE_AT=config.key_packed_size + value_data)
     if not config.key_fp8:  # rotated back, then the model dtype (the float32 copies go before values are used)
         keys = (keys @ rotation).to(dtype)
     shape = [first.shape[d] for d in order[:-1]] + [D]
