@@ -47,6 +47,7 @@ It is never used for vanilla, where shared blocks would inflate capacity.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import itertools
 import json
@@ -139,6 +140,11 @@ class Driver:
         # loop between the two (which every engine driven by this loop pays, at its batch)
         self.step_end: float | None = None
         self.period: float | None = None
+        # --step-trace: ms in Python's garbage collector over the last period (the engine runs in this process)
+        self.gc_ms = 0.0
+        self._gc_total_ms, self._gc_mark_ms, self._gc_started = 0.0, 0.0, 0.0
+        if trace:
+            gc.callbacks.append(self._time_gc)
         schedule = self.scheduler.schedule
 
         def timed(slot, fn):
@@ -209,9 +215,16 @@ class Driver:
         dt = end - t0
         self.period = None if self.step_end is None else end - self.step_end
         self.step_end = end
+        self.gc_ms, self._gc_mark_ms = self._gc_total_ms - self._gc_mark_ms, self._gc_total_ms
         new = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs)
         decode_only = decode_only and self.prefilling() == 0 and len(self.scheduler.running) <= running
         return outs, dt, new, decode_only
+
+    def _time_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self._gc_total_ms += 1e3 * (time.perf_counter() - self._gc_started)
 
     def drain(self, ids: list[str]) -> None:
         self.engine.abort_request(ids)
@@ -325,7 +338,7 @@ def run_load(args, drv: Driver, deadline: float, num_requests: int, max_tokens: 
         steps += 1
         if args.step_trace:
             trace.append([round(1e3 * dt, 3), *drv.scheduled, int(decode_only),
-                          *(round(ms, 3) for ms in drv.host_ms), *drv.plan])
+                          *(round(ms, 3) for ms in drv.host_ms), *drv.plan, round(drv.gc_ms, 3)])
         tokens += new
         for o in outs:
             if o.finished and (r := report_of(o)) is not None and r.get("latency_ms") is not None:
@@ -1228,8 +1241,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--step-trace", action="store_true",
                    help="record every step of a load as [ms, scheduled tokens, scheduled requests, decode-only, "
                         "host ms in schedule, execute_model and update_from_output, requests compacted, "
-                        "attention (0: stock, 1: stock staging the queries, 2: per head) (the last two: vllm-evict "
-                        "only)]")
+                        "attention (0: stock, 1: stock staging the queries, 2: per head) (these two: vllm-evict "
+                        "only), ms in Python's garbage collector since the step before]")
     return ap
 
 
