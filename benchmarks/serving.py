@@ -1242,7 +1242,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="record every step of a load as [ms, scheduled tokens, scheduled requests, decode-only, "
                         "host ms in schedule, execute_model and update_from_output, requests compacted, "
                         "attention (0: stock, 1: stock staging the queries, 2: per head) (these two: vllm-evict "
-                        "only), ms in Python's garbage collector since the step before]")
+                        "only), ms in this process's Python garbage collector since the step before]")
     return ap
 
 
