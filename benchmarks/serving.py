@@ -140,9 +140,9 @@ class Driver:
         # loop between the two (which every engine driven by this loop pays, at its batch)
         self.step_end: float | None = None
         self.period: float | None = None
-        # --step-trace: ms in Python's garbage collector over the last period (the engine runs in this process)
-        self.gc_ms = 0.0
-        self._gc_total_ms, self._gc_mark_ms, self._gc_started = 0.0, 0.0, 0.0
+        # --step-trace: ms in this process's garbage collector over the last period (the engine runs in it), and
+        # what has accumulated since
+        self.gc_ms, self._gc_pending_ms, self._gc_started = 0.0, 0.0, 0.0
         if trace:
             gc.callbacks.append(self._time_gc)
         schedule = self.scheduler.schedule
@@ -215,7 +215,7 @@ class Driver:
         dt = end - t0
         self.period = None if self.step_end is None else end - self.step_end
         self.step_end = end
-        self.gc_ms, self._gc_mark_ms = self._gc_total_ms - self._gc_mark_ms, self._gc_total_ms
+        self.gc_ms, self._gc_pending_ms = self._gc_pending_ms, 0.0
         new = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs)
         decode_only = decode_only and self.prefilling() == 0 and len(self.scheduler.running) <= running
         return outs, dt, new, decode_only
@@ -224,7 +224,7 @@ class Driver:
         if phase == "start":
             self._gc_started = time.perf_counter()
         else:
-            self._gc_total_ms += 1e3 * (time.perf_counter() - self._gc_started)
+            self._gc_pending_ms += 1e3 * (time.perf_counter() - self._gc_started)
 
     def drain(self, ids: list[str]) -> None:
         self.engine.abort_request(ids)
