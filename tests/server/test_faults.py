@@ -20,9 +20,10 @@ EVICTION = {"policy": "snapkv", "budget": 0.25}
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 20
 
 
-def stream_completion(server, results: list, index: int, max_tokens: int = 48, ended: list | None = None) -> None:
+def stream_completion(server, results: list, index: int, max_tokens: int = 48, ended: list | None = None,
+                      started: threading.Event | None = None) -> None:
     """One streaming completion; appends (index, tokens received, finish reason or the error seen), and
-    its end time to `ended`."""
+    its end time to `ended`; sets `started` at its first event (or at its end, whatever it was)."""
     import httpx
 
     tokens, finish = 0, None
@@ -32,6 +33,8 @@ def stream_completion(server, results: list, index: int, max_tokens: int = 48, e
                 "ignore_eos": True, "eviction": EVICTION}) as response:
             for line in response.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
+                    if started is not None:
+                        started.set()
                     choice = json.loads(line[6:])["choices"][0]
                     tokens += 1 if choice.get("text") is not None else 0
                     finish = choice.get("finish_reason") or finish
@@ -40,6 +43,8 @@ def stream_completion(server, results: list, index: int, max_tokens: int = 48, e
     results.append((index, tokens, finish))
     if ended is not None:
         ended.append(time.time())
+    if started is not None:
+        started.set()
 
 
 _MODEL_IDS: dict[str, str] = {}
@@ -58,10 +63,13 @@ def test_sigterm_drains_in_flight_requests_and_a_restart_serves(server_factory):
     model_id(server)
     results: list = []
     ended: list = []
-    threads = [threading.Thread(target=stream_completion, args=(server, results, i, 400, ended)) for i in range(4)]
+    started = [threading.Event() for _ in range(4)]
+    threads = [threading.Thread(target=stream_completion, args=(server, results, i, 400, ended, started[i]))
+               for i in range(4)]
     for thread in threads:
         thread.start()
-    time.sleep(1.0)  # the streams have started
+    for event in started:  # every stream has its first token (a starved machine may take seconds to connect)
+        event.wait(120)
     start = time.time()
     os.kill(server.proc.pid, signal.SIGTERM)
     for thread in threads:
