@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from vllm_evict.engine.host_gc import relax_full_collections
 from vllm_evict.engine.layout import per_head_attention
 from vllm_evict.engine.step import BUILD, PerHeadDecodeBatch, StagedDecodeBatch
 from vllm_evict.engine.warm_up import warm_up_scoring
@@ -75,6 +76,7 @@ def install_runner_hooks() -> None:
         return attn_metadata, STATE.draft_lengths(draft_metadata)
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        relax_full_collections()  # a worker's process holds the runner's per-request token lists
         STATE.set_kv_cache_groups(self, kv_cache_config)
         return orig_initialize_kv_cache(self, kv_cache_config, *args, **kwargs)
 

@@ -55,6 +55,7 @@ from vllm.v1.request import RequestStatus
 from vllm_evict.engine.request_config import (DEFAULT_ENV, EXTRA_ARGS_KEY, PLAN_KEY, CompactionSchedule, FollowsSchedule,
                                               RequestEviction,
                                               long_prompts_allowed, parse_request)
+from vllm_evict.engine.host_gc import relax_full_collections
 from vllm_evict.engine.layout import EvictedGroup, evicted_group, model_refusal, other_group_blocks
 from vllm_evict.engine.worker import FAILED_ATTR, LATENCY_ATTR, TRIMMED_ATTR
 
@@ -358,6 +359,7 @@ class _EvictionSchedulerMixin:
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        relax_full_collections()  # the engine core's process holds every request's token lists
         group, reason = evicted_group(self.kv_cache_config)
         # a page: one block of the evicted group (a hybrid model's other groups may use other block sizes)
         self.page_size = self.kv_cache_config.kv_cache_groups[group.index].kv_cache_spec.block_size \
