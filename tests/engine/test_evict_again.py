@@ -302,3 +302,14 @@ def test_requests_at_one_point_compact_together(engine, reference, monkeypatch):
         check_against_reference(out, expected, f"{case} on prompt {prompts.index(prompt)}")
     assert len(tie_decided) <= 1, tie_decided
     assert (False, 3) in batches and batches.count((True, 3)) >= 3, batches  # one-shot, and every decode point
+
+
+def test_the_engine_process_runs_full_garbage_collections_rarely(engine):
+    """The engine core and its worker run in this process (inprocess_llm): their start raised CPython's
+    full-collection threshold (engine/host_gc.py), which would otherwise walk every request's token lists
+    every 10 middle-generation collections."""
+    import gc
+
+    from vllm_evict.engine.host_gc import THRESHOLD2
+
+    assert gc.get_threshold()[2] == THRESHOLD2
