@@ -3,8 +3,8 @@
 CPython (3.10-3.13) runs a full collection of its oldest generation after every `threshold2` (10) collections of
 the middle one, and a full collection walks every tracked container that vLLM's freeze at engine start did not
 cover: above all the token-id lists of every running request (vLLM's Request, the model runner's request state),
-item by item. Decoding 256 requests of 4K tokens, that is a stall every ~130 steps growing to 60-100 ms (a step is
-20 ms), about 2 s of a 96 s run on an H100 (docs/BENCHMARKS.md). The engine's processes raise `threshold2` to
+item by item. Decoding 256 requests of 4K tokens, that is a stall every ~130 steps growing to 45-100 ms (a step is
+20 ms), 1.3-2.3 s of a 96 s run on an H100 (docs/BENCHMARKS.md). The engine's processes raise `threshold2` to
 THRESHOLD2: the same collections, an order of magnitude rarer. Python 3.14's incremental collector ignores it.
 """
 
@@ -18,7 +18,7 @@ THRESHOLD2 = 100
 
 
 def relax_full_collections() -> None:
-    """Raise this process's threshold2 to VLLM_EVICT_GC_THRESHOLD2 (default THRESHOLD2; 0: leave Python's)."""
+    """Set this process's threshold2 to VLLM_EVICT_GC_THRESHOLD2 (default THRESHOLD2; 0: leave Python's)."""
     raw = os.environ.get(ENV, str(THRESHOLD2))
     try:
         wanted = int(raw)
@@ -27,6 +27,6 @@ def relax_full_collections() -> None:
                          f"got {raw!r}") from None
     if wanted < 0:
         raise ValueError(f"{ENV} must be 0 or more, got {wanted}")
-    young, middle, oldest = gc.get_threshold()
-    if wanted > oldest:
+    if wanted:
+        young, middle, _ = gc.get_threshold()
         gc.set_threshold(young, middle, wanted)
