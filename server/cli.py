@@ -82,8 +82,10 @@ def configure(args: argparse.Namespace, parser) -> None:
     """Apply the engine settings eviction needs to parsed `vllm serve` arguments (in place); ValueError
     for an incompatible user flag."""
     from vllm_evict.engine import EVICTING_BACKENDS, engine_kwargs
+    from vllm_evict.engine.host_gc import threshold2_setting
 
     resolve_local_model(args, parser)
+    threshold2_setting()  # read by the engine's processes: a bad value stops here, not in the engine core
     needed = engine_kwargs(async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype)
     schedulers = {f"vllm_evict.engine.scheduler.{name}" for name in ("EvictionScheduler", "AsyncEvictionScheduler")}
     for key, flag, accepted in (("scheduler_cls", "--scheduler-cls", schedulers),

@@ -144,3 +144,14 @@ def test_budget_parsing():
     assert build_defaults("snapkv", "64", None) == {"policy": "snapkv", "budget": 64}
     with pytest.raises(ValueError):
         parse_budget("lots")
+
+
+@pytest.mark.parametrize("value", ["often", "-5"])
+def test_a_bad_garbage_collection_setting_exits_2_before_starting(tmp_path, monkeypatch, capsys, value):
+    """VLLM_EVICT_GC_THRESHOLD2 is read by the engine's processes (engine/host_gc.py): a bad value stops the
+    command before any engine starts, with the variable named."""
+    from vllm_evict.server.cli import serve
+
+    monkeypatch.setenv("VLLM_EVICT_GC_THRESHOLD2", value)
+    assert serve([str(tmp_path)]) == 2
+    assert "vllm-evict serve: VLLM_EVICT_GC_THRESHOLD2 must be" in capsys.readouterr().err

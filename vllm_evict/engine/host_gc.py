@@ -17,8 +17,8 @@ ENV = "VLLM_EVICT_GC_THRESHOLD2"
 THRESHOLD2 = 100
 
 
-def relax_full_collections() -> None:
-    """Set this process's threshold2 to VLLM_EVICT_GC_THRESHOLD2 (default THRESHOLD2; 0: leave Python's)."""
+def threshold2_setting() -> int:
+    """VLLM_EVICT_GC_THRESHOLD2 (default THRESHOLD2; 0: Python's own), or a ValueError naming it."""
     raw = os.environ.get(ENV, str(THRESHOLD2))
     try:
         wanted = int(raw)
@@ -27,6 +27,12 @@ def relax_full_collections() -> None:
                          f"got {raw!r}") from None
     if wanted < 0:
         raise ValueError(f"{ENV} must be 0 or more, got {wanted}")
+    return wanted
+
+
+def relax_full_collections() -> None:
+    """Set this process's threshold2 to threshold2_setting() (0: leave Python's)."""
+    wanted = threshold2_setting()
     if wanted:
         young, middle, _ = gc.get_threshold()
         gc.set_threshold(young, middle, wanted)
