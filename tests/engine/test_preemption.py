@@ -70,6 +70,62 @@ def test_pressure_caused_preemption(small_engine):
     assert preemptions > 0
 
 
+def run_bounded(llm_engine, scheduler, prompts: list[list[int]], case: dict, max_tokens: int) -> tuple:
+    """Step requests that all decode with `case` (a decode budget) to the end: (tokens by request, the most
+    preemptions seen, the most of them running at once)."""
+    from vllm import SamplingParams
+
+    for i, prompt in enumerate(prompts):
+        llm_engine.add_request(f"b{i}", {"prompt_token_ids": prompt}, SamplingParams(
+            temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args={"vllm_evict": case}))
+    finished, preemptions, running = {}, 0, 0
+    while llm_engine.has_unfinished_requests():
+        for out in llm_engine.step():
+            if out.finished:
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+        requests = list(scheduler.running) + list(scheduler.waiting)
+        preemptions = max(preemptions, sum(r.num_preemptions for r in requests))
+        running = max(running, len(scheduler.running))
+    return finished, preemptions, running
+
+
+def test_admission_reserves_the_peaks_of_running_decode_budget_requests(small_engine, tiny_llama, monkeypatch):
+    """Six decode-budget requests whose prompts fit the pool together but whose peaks (the decode budget and a
+    point's tokens) do not: a request is admitted only while the free pool holds its own growth to its peak
+    and that of every running one, so none is ever preempted (a preempted one would prefill its whole
+    sequence again), and each equals the reference's replay. Admitted on their prompts alone (the growth of
+    the running ones not counted), the same requests do preempt: the scenario tests what it claims."""
+    from vllm_evict.engine.request_config import parse_request
+    from vllm_evict.engine.scheduler import EvictionKVCacheManager
+    from vllm_evict.testing.reference import ReferenceDecoder
+
+    llm_engine = small_engine.llm_engine
+    scheduler = llm_engine.engine_core.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    idle_free = pool.get_num_free_blocks()
+    g = torch.Generator().manual_seed(17)
+    prompts = [torch.randint(3, 1000, (160,), generator=g).tolist() for _ in range(6)]
+    case, max_tokens = {"policy": "snapkv", "decode_budget": 192, "decode_every": 32}, 200
+    peak = -(-(192 + 32) // PAGE)  # blocks at a decode point: 6 peaks exceed the 71 usable, 5 fit
+    assert 5 * peak <= idle_free < 6 * peak
+    finished, preemptions, running = run_bounded(llm_engine, scheduler, prompts, case, max_tokens)
+    assert preemptions == 0 and running == 5
+    assert pool.get_num_free_blocks() == idle_free
+    reference = ReferenceDecoder(tiny_llama)
+    for i, prompt in enumerate(prompts):
+        expected = reference.replay(prompt, max_tokens, parse_request({"vllm_evict": case}), page_size=PAGE)
+        assert finished[f"b{i}"] == expected.token_ids, i
+
+    def prompt_only(self, request, ev):  # admission as before: the request's own peak, no running growth
+        self.growth = 0
+        return self._growth(request.request_id, ev) > self.block_pool.get_num_free_blocks()
+
+    monkeypatch.setattr(EvictionKVCacheManager, "_blocks_short", prompt_only)
+    _, preemptions, running = run_bounded(llm_engine, scheduler, prompts, case, max_tokens)
+    assert preemptions > 0 and running == 6
+    assert pool.get_num_free_blocks() == idle_free
+
+
 def test_a_one_shot_request_that_can_never_fit_is_refused_at_arrival(small_engine):
     """72 blocks and --max-model-len 1024: a 1000-token prompt passes vLLM's start-up check, but compacting
     it needs its 63 prompt blocks and 32 fresh ones at once. The input processor refuses it with a

@@ -164,6 +164,7 @@ class EvictionKVCacheManager(KVCacheManager):
 
     evictions: dict[str, SchedulerEviction]
     pending_swaps: set[str]  # requests whose compaction step allocate_slots scheduled, until swapped
+    growth: int | None       # blocks the running bounded requests have yet to take (None: not counted this step)
     page_size: int
     group: EvictedGroup
 
@@ -216,8 +217,9 @@ class EvictionKVCacheManager(KVCacheManager):
         never_cached = compacted or ev.rewrites_blocks  # never hashed: compacted blocks, or blocks it rewrites
         if never_cached:
             kwargs["delay_cache_blocks"] = True
-        # admission: its peak, not its sequence, must fit
-        if _argument(kwargs, "full_sequence_must_fit") and ev.bounded:
+        # admission: its peak, not its sequence, must fit, beside what the running bounded requests will grow to
+        admitting = _argument(kwargs, "full_sequence_must_fit") and ev.bounded
+        if admitting:
             kwargs["full_sequence_must_fit"] = False
             if self._blocks_short(request, ev):
                 return None
@@ -239,6 +241,8 @@ class EvictionKVCacheManager(KVCacheManager):
             # blocks, which they start doing when they cache some: track these, none cached, from here on
             for manager in self.coordinator.single_type_managers:
                 manager.num_cached_block.setdefault(request.request_id, 0)
+        if admitting and new_blocks is not None:
+            self.growth += self._growth(request.request_id, ev)
         if evicts and new_blocks is not None:
             ev.swap_pending = True  # swapped in _update_after_schedule, once this step's block ids are sent
             self.pending_swaps.add(request.request_id)
@@ -266,13 +270,32 @@ class EvictionKVCacheManager(KVCacheManager):
         if not point.in_place:
             ev.unused = len(unused)
 
+    def _held(self, request_id: str) -> int:
+        """Blocks a request holds in every group (the evicted group, full attention, holds no null blocks: a length
+        is enough, for every running request at every admission step)."""
+        evicted = self.evicted
+        return len(evicted.req_to_blocks.get(request_id, ())) + sum(
+            not block.is_null for m in self.coordinator.single_type_managers if m is not evicted
+            for block in m.req_to_blocks.get(request_id, ()))
+
+    def _growth(self, request_id: str, ev: SchedulerEviction, held: int | None = None) -> int:
+        """Blocks a request that compacts in place has yet to take before its peak (block-wise: P pages and a
+        chunk; a decode budget: P_d pages and C_d tokens; a hybrid model's other groups: its whole sequence)."""
+        return max(0, ev.peak + ev.other_blocks - (self._held(request_id) if held is None else held))
+
     def _blocks_short(self, request, ev: SchedulerEviction) -> bool:
-        """Whether the free pool lacks what a request that compacts in place holds at its peak (block-wise:
-        P pages and a chunk; a decode budget: P_d pages and C_d tokens), and what the other groups of a
-        hybrid model hold for its whole sequence; vLLM's own check asks the same of its whole sequence."""
-        held = sum(not block.is_null for m in self.coordinator.single_type_managers
-                   for block in m.req_to_blocks.get(request.request_id, ()))
-        return ev.peak + ev.other_blocks - held > self.block_pool.get_num_free_blocks()
+        """Whether the free pool lacks a waiting request's growth to its peak (vLLM's own check asks the same of
+        its whole sequence) beside the growth of every running request that compacts in place. Admitting it
+        otherwise would preempt one of them once they grow, and a preempted one recomputes its whole sequence
+        (its points included): a pool that holds fewer peaks than requests would preempt again and again.
+        Requests that grow without bound (no eviction, or one-shot) keep vLLM's admission: they are not
+        counted, as vLLM counts no growth."""
+        if self.growth is None:  # once per scheduling step (reset in _update_after_schedule), then per admission
+            self.growth = 0
+            for req_id, each in self.evictions.items():
+                if each.bounded and req_id != request.request_id and (held := self._held(req_id)):  # running
+                    self.growth += self._growth(req_id, each, held)
+        return self._growth(request.request_id, ev) + self.growth > self.block_pool.get_num_free_blocks()
 
     def swap_to_compacted(self, request_id: str, ev: SchedulerEviction) -> None:
         """After a compaction step was scheduled: keep the blocks that hold the kept pages (the F fresh ones,
@@ -382,6 +405,7 @@ class _EvictionSchedulerMixin:
         manager.__class__ = EvictionKVCacheManager
         manager.evictions = self.evictions
         manager.pending_swaps = self.pending_swaps
+        manager.growth = None
         manager.page_size = self.page_size
         manager.group = group
         install_group_manager(manager.evicted)
@@ -461,6 +485,8 @@ class _EvictionSchedulerMixin:
 
     def _update_after_schedule(self, scheduler_output) -> None:
         super()._update_after_schedule(scheduler_output)
+        if self.refusal is None:
+            self.kv_cache_manager.growth = None  # the running requests grow in the next step
         if not self.pending_swaps:
             return
         scheduled = scheduler_output.num_scheduled_tokens
