@@ -34,7 +34,8 @@ repeat step 3 at every point of the request's CompactionSchedule and compact in 
 are written into the request's first blocks (the worker gathers the held tokens into a buffer first) and
 the rest are freed. A request whose first compaction is in place takes no prefix hits and caches nothing,
 because its blocks are rewritten. Its peak over the schedule, not its whole sequence, is what admission
-checks.
+checks, beside the growth to their peaks of the running requests that compact in place: a pool that holds
+fewer peaks than requests then runs as many as it holds and never preempts one of them for another.
 """
 
 from __future__ import annotations
@@ -84,11 +85,7 @@ class SchedulerEviction(FollowsSchedule):
     latency_ms: float | None = None  # scoring + compaction, reported by the worker
     reported: int = 0                # compactions whose report went out on a step's output
     rewrites_blocks: bool = field(init=False)
-
-    @property
-    def bounded(self) -> bool:
-        """It compacts in place again and again, so its peak, not its whole sequence, must fit."""
-        return bool(self.chunk or self.schedule.decode_every)
+    bounded: bool = field(init=False)  # it compacts in place again and again: its peak, not its sequence, must fit
 
     @property
     def prompt_compacted(self) -> bool:
@@ -99,6 +96,7 @@ class SchedulerEviction(FollowsSchedule):
         # eviction): they must be its own, so it takes no prefix hits and caches nothing. Read every step: a field.
         first = self.schedule.point(0)
         self.rewrites_blocks = first is not None and first.in_place
+        self.bounded = bool(self.chunk or self.schedule.decode_every)
         self.reset()
 
     @property
@@ -273,15 +271,16 @@ class EvictionKVCacheManager(KVCacheManager):
     def _held(self, request_id: str) -> int:
         """Blocks a request holds in every group (the evicted group, full attention, holds no null blocks: a length
         is enough, for every running request at every admission step)."""
-        evicted = self.evicted
-        return len(evicted.req_to_blocks.get(request_id, ())) + sum(
-            not block.is_null for m in self.coordinator.single_type_managers if m is not evicted
-            for block in m.req_to_blocks.get(request_id, ()))
+        held = len(self.evicted.req_to_blocks.get(request_id, ()))
+        if self.group.hybrid:
+            held += sum(not block.is_null for m in self.coordinator.single_type_managers if m is not self.evicted
+                        for block in m.req_to_blocks.get(request_id, ()))
+        return held
 
-    def _growth(self, request_id: str, ev: SchedulerEviction, held: int | None = None) -> int:
+    def _growth(self, request_id: str, ev: SchedulerEviction) -> int:
         """Blocks a request that compacts in place has yet to take before its peak (block-wise: P pages and a
         chunk; a decode budget: P_d pages and C_d tokens; a hybrid model's other groups: its whole sequence)."""
-        return max(0, ev.peak + ev.other_blocks - (self._held(request_id) if held is None else held))
+        return max(0, ev.peak + ev.other_blocks - self._held(request_id))
 
     def _blocks_short(self, request, ev: SchedulerEviction) -> bool:
         """Whether the free pool lacks a waiting request's growth to its peak (vLLM's own check asks the same of
@@ -291,10 +290,11 @@ class EvictionKVCacheManager(KVCacheManager):
         Requests that grow without bound (no eviction, or one-shot) keep vLLM's admission: they are not
         counted, as vLLM counts no growth."""
         if self.growth is None:  # once per scheduling step (reset in _update_after_schedule), then per admission
-            self.growth = 0
-            for req_id, each in self.evictions.items():
-                if each.bounded and req_id != request.request_id and (held := self._held(req_id)):  # running
-                    self.growth += self._growth(req_id, each, held)
+            growth, running, hybrid = 0, self.evicted.req_to_blocks, self.group.hybrid
+            for req_id, each in self.evictions.items():  # running: it holds blocks from its first chunk on
+                if each.bounded and (blocks := running.get(req_id)) and req_id != request.request_id:
+                    growth += max(0, each.peak + each.other_blocks - (self._held(req_id) if hybrid else len(blocks)))
+            self.growth = growth
         return self._growth(request.request_id, ev) + self.growth > self.block_pool.get_num_free_blocks()
 
     def swap_to_compacted(self, request_id: str, ev: SchedulerEviction) -> None:
