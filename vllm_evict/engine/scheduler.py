@@ -269,12 +269,18 @@ class EvictionKVCacheManager(KVCacheManager):
             ev.unused = len(unused)
 
     def _held(self, request_id: str) -> int:
-        """Blocks a request holds in every group (the evicted group, full attention, holds no null blocks: a length
-        is enough, for every running request at every admission step)."""
+        """Blocks a request holds in every group, counted for every running request at every admission step: the
+        evicted group (full attention) holds no null blocks, so its length; a hybrid model's other groups put
+        null blocks in place of those that left the window or state, mostly before the ones they hold, so
+        their trailing run of held blocks (quick, and where nulls sit elsewhere it falls short: more reserved)."""
         held = len(self.evicted.req_to_blocks.get(request_id, ()))
         if self.group.hybrid:
-            held += sum(not block.is_null for m in self.coordinator.single_type_managers if m is not self.evicted
-                        for block in m.req_to_blocks.get(request_id, ()))
+            for manager in self.coordinator.single_type_managers:
+                if manager is not self.evicted:
+                    for block in reversed(manager.req_to_blocks.get(request_id, ())):
+                        if block.is_null:
+                            break
+                        held += 1
         return held
 
     def _growth(self, request_id: str, ev: SchedulerEviction) -> int:
