@@ -148,11 +148,13 @@ def check_evicting_again(engine, reference, exact: bool, seed: int = 1) -> None:
 
 def check_aborts_leak_nothing(engine, seed: int = 2, cases: list[dict] | None = None) -> None:
     """Requests aborted at random steps (mid-prefill, around compaction, mid-decode) return every block of
-    every group (cases: default the one-shot and evicting-again ones)."""
+    every group (cases: default the one-shot and evicting-again ones). After every step, the blocks admission
+    counts for each request (its quick count of every group's) are the blocks it holds, null ones not counted."""
     from vllm import SamplingParams
 
     rng = random.Random(seed)
     llm_engine = engine.llm_engine
+    manager = llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
     cases = cases or ONE_SHOT + again(page_of(engine))
     ids = []
     for i, case in enumerate(cases * 2):
@@ -167,6 +169,10 @@ def check_aborts_leak_nothing(engine, seed: int = 2, cases: list[dict] | None = 
         llm_engine.step()
         step += 1
         assert step < 500
+        for req_id in manager.evictions:
+            held = sum(not block.is_null for group in manager.coordinator.single_type_managers
+                       for block in group.req_to_blocks.get(req_id, ()))
+            assert manager._held(req_id) == held, (req_id, step)
     assert idle(engine)
 
 
