@@ -51,33 +51,24 @@ def test_preempted_requests_match_reference_and_free_all_blocks(small_engine, ti
 
 def test_pressure_caused_preemption(small_engine):
     """Guard that the scenario above really preempts (otherwise it proves nothing about recompute)."""
-    from vllm import SamplingParams
-
-    llm_engine = small_engine.llm_engine
-    scheduler = llm_engine.engine_core.engine_core.scheduler
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 1000, (400,), generator=g).tolist() for _ in range(4)]
     cases = [{"policy": "snapkv", "budget": 0.25, "allocation": "adakv"}, {"policy": "dropkv", "budget": 0.25},
              None, {"policy": "keydiff", "budget": 0.5}]
-    for i, (p, c) in enumerate(zip(prompts, cases)):
-        llm_engine.add_request(f"p{i}", {"prompt_token_ids": p},
-                               SamplingParams(temperature=0, max_tokens=120, ignore_eos=True,
-                                              extra_args={"vllm_evict": c} if c else None))
-    preemptions = 0
-    while llm_engine.has_unfinished_requests():
-        llm_engine.step()
-        preemptions = max(preemptions, sum(r.num_preemptions for r in list(scheduler.running) + list(scheduler.waiting)))
+    _, preemptions, _ = run_to_end(small_engine, prompts, cases, 120)
     assert preemptions > 0
 
 
-def run_bounded(llm_engine, scheduler, prompts: list[list[int]], case: dict, max_tokens: int) -> tuple:
-    """Step requests that all decode with `case` (a decode budget) to the end: (tokens by request, the most
-    preemptions seen, the most of them running at once)."""
+def run_to_end(engine, prompts: list[list[int]], cases: list[dict | None], max_tokens: int) -> tuple:
+    """Step greedy requests (prompt i with eviction cases[i], None: none) to the end: (tokens by request id, the
+    most preemptions seen, the most requests running at once)."""
     from vllm import SamplingParams
 
-    for i, prompt in enumerate(prompts):
-        llm_engine.add_request(f"b{i}", {"prompt_token_ids": prompt}, SamplingParams(
-            temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args={"vllm_evict": case}))
+    llm_engine = engine.llm_engine
+    scheduler = llm_engine.engine_core.engine_core.scheduler
+    for i, (prompt, case) in enumerate(zip(prompts, cases)):
+        llm_engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, SamplingParams(
+            temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args={"vllm_evict": case} if case else None))
     finished, preemptions, running = {}, 0, 0
     while llm_engine.has_unfinished_requests():
         for out in llm_engine.step():
@@ -99,29 +90,27 @@ def test_admission_reserves_the_peaks_of_running_decode_budget_requests(small_en
     from vllm_evict.engine.scheduler import EvictionKVCacheManager
     from vllm_evict.testing.reference import ReferenceDecoder
 
-    llm_engine = small_engine.llm_engine
-    scheduler = llm_engine.engine_core.engine_core.scheduler
-    pool = scheduler.kv_cache_manager.block_pool
+    pool = small_engine.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
     idle_free = pool.get_num_free_blocks()
     g = torch.Generator().manual_seed(17)
     prompts = [torch.randint(3, 1000, (160,), generator=g).tolist() for _ in range(6)]
     case, max_tokens = {"policy": "snapkv", "decode_budget": 192, "decode_every": 32}, 200
     peak = -(-(192 + 32) // PAGE)  # blocks at a decode point: 6 peaks exceed the 71 usable, 5 fit
     assert 5 * peak <= idle_free < 6 * peak
-    finished, preemptions, running = run_bounded(llm_engine, scheduler, prompts, case, max_tokens)
+    finished, preemptions, running = run_to_end(small_engine, prompts, [case] * len(prompts), max_tokens)
     assert preemptions == 0 and running == 5
     assert pool.get_num_free_blocks() == idle_free
     reference = ReferenceDecoder(tiny_llama)
     for i, prompt in enumerate(prompts):
         expected = reference.replay(prompt, max_tokens, parse_request({"vllm_evict": case}), page_size=PAGE)
-        assert finished[f"b{i}"] == expected.token_ids, i
+        assert finished[f"p{i}"] == expected.token_ids, i
 
     def prompt_only(self, request, ev):  # admission as before: the request's own peak, no running growth
         self.growth = 0
-        return self._growth(request.request_id, ev) > self.block_pool.get_num_free_blocks()
+        return self._growth(ev, self._held(request.request_id)) > self.block_pool.get_num_free_blocks()
 
     monkeypatch.setattr(EvictionKVCacheManager, "_blocks_short", prompt_only)
-    _, preemptions, running = run_bounded(llm_engine, scheduler, prompts, case, max_tokens)
+    _, preemptions, running = run_to_end(small_engine, prompts, [case] * len(prompts), max_tokens)
     assert preemptions > 0 and running == 6
     assert pool.get_num_free_blocks() == idle_free
 

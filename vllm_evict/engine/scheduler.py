@@ -240,7 +240,7 @@ class EvictionKVCacheManager(KVCacheManager):
             for manager in self.coordinator.single_type_managers:
                 manager.num_cached_block.setdefault(request.request_id, 0)
         if admitting and new_blocks is not None:
-            self.growth += self._growth(request.request_id, ev)
+            self.growth += self._growth(ev, self._held(request.request_id))
         if evicts and new_blocks is not None:
             ev.swap_pending = True  # swapped in _update_after_schedule, once this step's block ids are sent
             self.pending_swaps.add(request.request_id)
@@ -283,10 +283,12 @@ class EvictionKVCacheManager(KVCacheManager):
                         held += 1
         return held
 
-    def _growth(self, request_id: str, ev: SchedulerEviction) -> int:
-        """Blocks a request that compacts in place has yet to take before its peak (block-wise: P pages and a
-        chunk; a decode budget: P_d pages and C_d tokens; a hybrid model's other groups: its whole sequence)."""
-        return max(0, ev.peak + ev.other_blocks - self._held(request_id))
+    @staticmethod
+    def _growth(ev: SchedulerEviction, held: int) -> int:
+        """Blocks a request that compacts in place and holds `held` has yet to take before its peak (block-wise:
+        P pages and a chunk; a decode budget: P_d pages and C_d tokens; a hybrid model's other groups: its whole
+        sequence)."""
+        return max(0, ev.peak + ev.other_blocks - held)
 
     def _blocks_short(self, request, ev: SchedulerEviction) -> bool:
         """Whether the free pool lacks a waiting request's growth to its peak (vLLM's own check asks the same of
@@ -299,9 +301,9 @@ class EvictionKVCacheManager(KVCacheManager):
             growth, running, hybrid = 0, self.evicted.req_to_blocks, self.group.hybrid
             for req_id, each in self.evictions.items():  # running: it holds blocks from its first chunk on
                 if each.bounded and (blocks := running.get(req_id)) and req_id != request.request_id:
-                    growth += max(0, each.peak + each.other_blocks - (self._held(req_id) if hybrid else len(blocks)))
+                    growth += self._growth(each, self._held(req_id) if hybrid else len(blocks))
             self.growth = growth
-        return self._growth(request.request_id, ev) + self.growth > self.block_pool.get_num_free_blocks()
+        return self._growth(ev, self._held(request.request_id)) + self.growth > self.block_pool.get_num_free_blocks()
 
     def swap_to_compacted(self, request_id: str, ev: SchedulerEviction) -> None:
         """After a compaction step was scheduled: keep the blocks that hold the kept pages (the F fresh ones,
