@@ -1,6 +1,7 @@
 """per_head.DecodeGraphTables, the per-head FULL decode graphs' tables: a mixed batch (two Ada-KV rows, a
 stock row, rows past the batch) loaded and laid out per layer, against kernels/per_head_tables.py's
-reference. Each layer's order lists the virtual sequences longest first, its first n*H entries permute
+reference, with the layer's query copied into its staged queries and its K/V written at the token slots.
+Each layer's order lists the virtual sequences longest first, its first n*H entries permute
 0 .. n*H - 1 for every graph size n >= the batch, position is its inverse, and the layer's pages and
 lengths sit at those positions while the token slots stay by (row, head). CPU (CI): in the Triton
 interpreter (subprocess). GPU: compiled; and cuda_backend.ordered_decode_attention (FlashAttention 3 reading
@@ -38,7 +39,15 @@ def check(device: str, seed: int) -> None:
         for n in range(3, MAX_ROWS + 1):
             assert sorted(order[: n * H].tolist()) == list(range(n * H)), (layer, n, order)
         assert torch.equal(position[order[:-1].long()], torch.arange(MAX_ROWS * H, dtype=torch.int32))
-        pages, lens, slots = tables.layer(layer, block_table.to(device), seq_lens.to(device))
+        # the fused query copy (into this layer's staged queries) and K/V write (at the token slots)
+        qkv = torch.randn(3, 4 * H * 8, generator=gen).to(device)
+        keys, values = qkv[:, 2 * H * 8:].unflatten(1, (2, H, 8)).unbind(1)
+        cache = torch.zeros(3 * WIDTH * 2, H, N, 16, device=device)
+        pages, lens, slots = tables.layer(layer, block_table.to(device), seq_lens.to(device),
+                                          query=qkv[:, : 2 * H * 8], kv=(keys, values, cache))
+        assert torch.equal(tables.queries[layer, :3].reshape(3, -1), qkv[:, : 2 * H * 8])
+        written = cache.view(-1, 16)[slots.view(3, H)]                 # [3, H, 2*D] at each token's slot
+        assert torch.equal(written, torch.cat([keys, values], dim=-1))
         ref_pages, ref_lens, ref_slots = decode_tables_reference(
             block_table, seq_lens, tables.fresh[:3].cpu(), tables.counts[layer, :3].cpu(),
             tables.kept[layer, :3].cpu(), 1, N)
@@ -141,15 +150,15 @@ def test_the_evicted_groups_builders_share_one_query_stage(monkeypatch):
     from vllm_evict.engine.per_head import DecodeGraphTables
     from vllm_evict.engine.step import BUILD
 
-    monkeypatch.setattr(DecodeGraphTables, "layer", lambda *args: None)
+    monkeypatch.setattr(DecodeGraphTables, "layer", lambda *args, **kwargs: None)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
     monkeypatch.setattr(BUILD, "evicted_layers", frozenset(names))
     monkeypatch.setattr(BUILD, "staged_queries", None)
     config = SimpleNamespace(
         num_speculative_tokens=0, scheduler_config=SimpleNamespace(max_num_seqs=8),
         compilation_config=SimpleNamespace(max_cudagraph_capture_size=4),
-        model_config=SimpleNamespace(max_model_len=64, get_num_attention_heads=lambda parallel: 4),
-        parallel_config=None)
+        model_config=SimpleNamespace(max_model_len=64, get_num_attention_heads=lambda parallel: 4, dtype=torch.float32),
+        cache_config=SimpleNamespace(cache_dtype="auto"), parallel_config=None)
     spec = SimpleNamespace(block_size=16, num_kv_heads=2, head_size=8)
 
     def tables(layers, per_head_path):

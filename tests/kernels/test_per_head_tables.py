@@ -2,7 +2,8 @@
 
 Fresh random batches mix padding rows (length 0), stock rows (P = 0) and per-head rows with uneven
 (Ada-KV-like) page counts, some of whose heads keep the whole prompt in a partial last page; query
-lengths 1 and 3; the virtual sequences in natural and in random order. CPU (CI): the kernel in the Triton interpreter (subprocess). GPU (``-m gpu``): the
+lengths 1 and 3; the virtual sequences in natural and in random order; with and without the fused query
+copy and K/V write (checked against a copy and a slot-by-slot write). CPU (CI): the kernel in the Triton interpreter (subprocess). GPU (``-m gpu``): the
 compiled kernel."""
 
 from __future__ import annotations
@@ -40,6 +41,34 @@ def random_batch(gen: torch.Generator, num_rows: int, num_heads: int, query_len:
     return [t.to(torch.int32) for t in (block_table, seq_lens, fresh, counts, kept)]
 
 
+def fused_inputs(gen: torch.Generator, block_table: torch.Tensor, num_heads: int, ref_slots: torch.Tensor,
+                 device: str) -> tuple[dict, tuple]:
+    """The fused variant's arguments: strided views of a fused QKV projection (as vLLM hands them to attention)
+    and a random cache of every page a block table can name; with what they must hold afterwards: the
+    contiguous queries, and the cache with each scheduled token's K/V at its reference slot (-1: nothing)."""
+    group, dim, tokens = 3, 8, ref_slots.shape[0]
+
+    def views(qkv: torch.Tensor) -> tuple:  # queries [T, g*H*D], keys and values [T, H, D]
+        keys, values = qkv[:, group * num_heads * dim:].unflatten(1, (2, num_heads, dim)).unbind(1)
+        return qkv[:, : group * num_heads * dim], keys, values
+
+    qkv = torch.randn(tokens, (group + 2) * num_heads * dim, generator=gen)
+    queries, keys, values = views(qkv)
+    # every block the table names; blocks strided apart, as a hybrid model's padded pages are
+    padded = torch.randn(int(block_table.max()) + 1, num_heads + 1, PAGE, 2 * dim, generator=gen)
+    expected = padded[:, :num_heads].clone()
+    for t in range(tokens):
+        for h in range(num_heads):
+            slot = int(ref_slots[t, h])
+            if slot >= 0:
+                block, head = divmod(slot // PAGE, num_heads)
+                expected[block, head, slot % PAGE] = torch.cat([keys[t, h], values[t, h]])
+    on_device, cache = views(qkv.to(device)), padded.to(device)[:, :num_heads]
+    args = {"queries": (on_device[0], torch.full(queries.shape, float("nan"), device=device)),
+            "kv": (*on_device[1:], cache)}
+    return args, (queries, expected)
+
+
 def check(device: str, seed: int) -> None:
     from vllm_evict.kernels.per_head_tables import decode_tables, decode_tables_reference
 
@@ -55,9 +84,15 @@ def check(device: str, seed: int) -> None:
             pages = torch.full((num_rows * num_heads, width + 4), -7, dtype=torch.int32, device=device)
             lens = torch.full((num_rows * num_heads,), -7, dtype=torch.int32, device=device)
             slots = torch.full((num_rows * query_len, num_heads), -7, dtype=torch.int64, device=device)
-            decode_tables(*(t.to(device) for t in inputs), query_len, PAGE, pages, lens, slots, dest.to(device))
+            fused = bool(torch.randint(0, 2, (), generator=gen))
+            fused_args, expected = fused_inputs(gen, inputs[0], num_heads, ref_slots, device) if fused else ({}, None)
+            decode_tables(*(t.to(device) for t in inputs), query_len, PAGE, pages, lens, slots, dest.to(device),
+                          **fused_args)
             assert torch.equal(lens.cpu()[position], ref_lens.flatten()), (lens, ref_lens, dest)
             assert torch.equal(slots.cpu(), ref_slots), (slots, ref_slots)
+            if fused:
+                assert torch.equal(fused_args["queries"][1].cpu(), expected[0])
+                assert torch.equal(fused_args["kv"][2].cpu(), expected[1])
             for h in range(num_heads):
                 for r in range(num_rows):
                     got = pages[position[r * num_heads + h], : len(ref_pages[r][h])].cpu().tolist()

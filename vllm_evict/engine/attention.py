@@ -97,7 +97,8 @@ def decode_graph_tables(kv_cache_spec, layer_names, vllm_config, device, full_gr
                      vllm_config.compilation_config.max_cudagraph_capture_size),
         num_heads=kv_cache_spec.num_kv_heads, max_pages=-(-model.max_model_len // page) + 1 if per_head_path else 1,
         page_size=page, device=device, num_q_heads=model.get_num_attention_heads(vllm_config.parallel_config),
-        head_dim=kv_cache_spec.head_size, dtype=query_dtype, queries=BUILD.staged_queries)
+        head_dim=kv_cache_spec.head_size, dtype=query_dtype, queries=BUILD.staged_queries,
+        kv_dtype=model.dtype if per_head_path and vllm_config.cache_config.cache_dtype == "auto" else None)
     BUILD.staged_queries = tables.queries
     return tables
 

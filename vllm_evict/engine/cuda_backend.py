@@ -121,14 +121,17 @@ class EvictFlashAttentionImpl(EvictionAttentionMixin, FlashAttentionImpl):
         tables: DecodeGraphTables = md.per_head_decode
         H, g, D = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size
         n = md.seq_lens.shape[0]
-        pages, lens, slots = tables.layer(layer_idx, md.block_table, md.seq_lens)
-        if self.kv_sharing_target_layer_name is None:
+        writes = self.kv_sharing_target_layer_name is None
+        # query is a strided view of the fused QKV projection: the table kernel copies it into the staged
+        # queries (FlashAttention's contiguous input; window capture, worker.py) and writes a model-dtype
+        # cache's K/V in the same launch; an fp8 cache is written by vLLM's quantizing kernel
+        fused = writes and not cache.quantized
+        pages, lens, slots = tables.layer(layer_idx, md.block_table, md.seq_lens, query=query[:n].reshape(n, -1),
+                                          kv=(key[:n], value[:n], cache.kv_cache) if fused else None)
+        if writes and not fused:
             cache.write_pages(key[:n].reshape(n * H, D), value[:n].reshape(n * H, D), slots)
-        # q is a strided view of the fused QKV projection: one copy, into the staged queries (window capture,
-        # worker.py); the output is written in place, each sequence at its row.
         q = tables.queries[layer_idx, :n]
-        q.view(n, -1).copy_(query[:n].reshape(n, -1))
-        out = output[:n].view(n * H, g, D)
+        out = output[:n].view(n * H, g, D)  # written in place, each sequence at its row
         lse = ordered_decode_attention(q.view(n * H, g, D), cache, tables.order[layer_idx, : n * H + 1],
                                        tables.query_counts[: n * H], lens, pages, md.max_seq_len, out, self.scale,
                                        self.logits_soft_cap, num_splits=md.max_num_splits if split_kv else 1)

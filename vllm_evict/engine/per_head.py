@@ -230,15 +230,16 @@ class DecodeGraphTables:
       (rows grow alike from step to step); rows past the batch keep their own positions, so the first n*H
       entries permute 0 .. n*H - 1 for every graph size n of the batch;
     - per-layer outputs (pages, lens, token slots), recomputed on device inside the graph by one kernel
-      per layer from vLLM's block table and (worker-shifted) seq_lens;
-    - every layer's queries [L, R, Hq, D] (`queries`): the attention call copies its strided query there,
-      the contiguous copy FlashAttention needs anyway, so the worker can record window queries after a
-      graph replay (window_store.WindowStore.capture_all).
+      per layer from vLLM's block table and (worker-shifted) seq_lens; the same launch copies the layer's
+      query and, for a model-dtype cache (`kv_dtype`), writes the step's keys and values to their slots;
+    - every layer's queries [L, R, Hq, D] (`queries`): a per-head graph's table kernel (a staged graph's
+      attention call) copies the layer's strided query there, the contiguous copy FlashAttention needs
+      anyway, so the worker can record window queries after a graph replay (window_store.WindowStore.capture_all).
     """
 
     def __init__(self, num_layers: int, max_rows: int, num_heads: int, max_pages: int, page_size: int,
                  device: torch.device, num_q_heads: int, head_dim: int, dtype: torch.dtype,
-                 queries: torch.Tensor | None = None):
+                 queries: torch.Tensor | None = None, kv_dtype: torch.dtype | None = None):
         self.num_heads, self.max_pages, self.page_size = num_heads, max_pages, page_size
         shape = (num_layers, max_rows, num_q_heads, head_dim)
         if queries is None or queries.shape != shape or queries.dtype != dtype or queries.device != device:
@@ -256,7 +257,20 @@ class DecodeGraphTables:
         self.slots = torch.zeros(max_rows, num_heads, dtype=torch.int64, device=device)
         self.loaded: dict[int, int] = {}    # row -> layout serial of the per-head rows in the buffers
         self.ordered_rows = 0               # the number of rows `order` was computed for
-        self.layer(0, torch.zeros(1, 1, **zeros), torch.zeros(1, **zeros))  # compile before graph capture
+        self._compile(kv_dtype)
+
+    def _compile(self, kv_dtype: torch.dtype | None) -> None:
+        """Compile the table kernel's variants before graph capture: tables alone, and with the fused query copy
+        and K/V write when the per-head graphs write a cache of kv_dtype (the queries' dtype)."""
+        table = torch.zeros(1, 1, dtype=torch.int32, device=self.fresh.device)
+        seq_lens = torch.zeros(1, dtype=torch.int32, device=self.fresh.device)
+        self.layer(0, table, seq_lens)
+        if kv_dtype is not None:
+            q_heads, dim = self.queries.shape[2:]
+            row = torch.zeros(1, (q_heads + 2 * self.num_heads) * dim, dtype=kv_dtype, device=table.device)
+            keys, values = row[:, q_heads * dim:].view(1, 2, self.num_heads, dim).unbind(1)
+            cache = torch.zeros(1, self.num_heads, self.page_size, 2 * dim, dtype=kv_dtype, device=table.device)
+            self.layer(0, table, seq_lens, query=row[:, : q_heads * dim], kv=(keys, values, cache))
 
     @property
     def max_rows(self) -> int:
@@ -309,15 +323,19 @@ class DecodeGraphTables:
         self.position.scatter_(1, order, sequences.to(torch.int32).expand(num_layers, -1))
         self.ordered_rows = num_rows
 
-    def layer(self, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor):
+    def layer(self, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
+              query: torch.Tensor | None = None, kv: tuple | None = None):
         """(pages [R*H, max_pages], lens [R*H] in this layer's order; slots [R*H] by (row, head)) of one layer
-        for the R rows of seq_lens."""
+        for the R rows of seq_lens. In the same launch: `query` [R, Hq*D] (unit stride in the last dim) is
+        copied into this layer's `queries`, and kv = (keys [R, H, D], values [R, H, D], cache [blocks, H,
+        page, 2*D] of their dtype) writes each row's token to its slot (kernels/per_head_tables.py)."""
         from vllm_evict.kernels.per_head_tables import decode_tables
 
         num_rows, heads = seq_lens.shape[0], self.num_heads
         pages = self.pages[: num_rows * heads * self.max_pages].view(num_rows * heads, self.max_pages)
         lens, slots = self.lens[: num_rows * heads], self.slots[:num_rows]
+        queries = None if query is None else (query, self.queries[layer, :num_rows].view(num_rows, -1))
         decode_tables(block_table, seq_lens, self.fresh[:num_rows], self.counts[layer, :num_rows],
                       self.kept[layer, :num_rows], 1, self.page_size, pages, lens, slots,
-                      self.position[layer, : num_rows * heads])
+                      self.position[layer, : num_rows * heads], queries=queries, kv=kv)
         return pages, lens, slots.view(-1)
