@@ -52,10 +52,11 @@ def fused_inputs(gen: torch.Generator, block_table: torch.Tensor, num_heads: int
         keys, values = qkv[:, group * num_heads * dim:].unflatten(1, (2, num_heads, dim)).unbind(1)
         return qkv[:, : group * num_heads * dim], keys, values
 
-    qkv = torch.randn(tokens, (group + 2) * num_heads * dim, generator=gen)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32   # the GPU: the engine's dtype
+    qkv = torch.randn(tokens, (group + 2) * num_heads * dim, generator=gen).to(dtype)
     queries, keys, values = views(qkv)
     # every block the table names; blocks strided apart, as a hybrid model's padded pages are
-    padded = torch.randn(int(block_table.max()) + 1, num_heads + 1, PAGE, 2 * dim, generator=gen)
+    padded = torch.randn(int(block_table.max()) + 1, num_heads + 1, PAGE, 2 * dim, generator=gen).to(dtype)
     expected = padded[:, :num_heads].clone()
     for t in range(tokens):
         for h in range(num_heads):
@@ -64,7 +65,7 @@ def fused_inputs(gen: torch.Generator, block_table: torch.Tensor, num_heads: int
                 block, head = divmod(slot // PAGE, num_heads)
                 expected[block, head, slot % PAGE] = torch.cat([keys[t, h], values[t, h]])
     on_device, cache = views(qkv.to(device)), padded.to(device)[:, :num_heads]
-    args = {"queries": (on_device[0], torch.full(queries.shape, float("nan"), device=device)),
+    args = {"queries": (on_device[0], torch.full(queries.shape, float("nan"), dtype=dtype, device=device)),
             "kv": (*on_device[1:], cache)}
     return args, (queries, expected)
 
