@@ -28,6 +28,7 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.model_executor.layers.quantization.turboquant.config import TQ_PRESETS
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.utils.torch_utils import is_quantized_kv_cache
 
 from vllm_evict.engine import per_head
 from vllm_evict.engine.step import BUILD, PerHeadDecodeBatch, StagedDecodeBatch, graph_step
@@ -98,7 +99,9 @@ def decode_graph_tables(kv_cache_spec, layer_names, vllm_config, device, full_gr
         num_heads=kv_cache_spec.num_kv_heads, max_pages=-(-model.max_model_len // page) + 1 if per_head_path else 1,
         page_size=page, device=device, num_q_heads=model.get_num_attention_heads(vllm_config.parallel_config),
         head_dim=kv_cache_spec.head_size, dtype=query_dtype, queries=BUILD.staged_queries,
-        kv_dtype=model.dtype if per_head_path and vllm_config.cache_config.cache_dtype == "auto" else None)
+        # the per-head graphs' table kernel writes a model-dtype cache (cuda_backend._per_head_graph_forward)
+        kv_dtype=model.dtype if per_head_path and not is_quantized_kv_cache(vllm_config.cache_config.cache_dtype)
+        else None)
     BUILD.staged_queries = tables.queries
     return tables
 
