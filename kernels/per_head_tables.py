@@ -1,5 +1,5 @@
-"""Per-(request, KV head) decode tables of one layer, on device, for FULL CUDA graphs; optionally, in the same
-launch, the layer's query copy and the scheduled tokens' K/V writes that a per-head decode step needs.
+"""Per-(request, KV head) decode tables of one layer, on device, for FULL CUDA graphs, and in the same launch the
+layer's query copy (and optionally the scheduled tokens' K/V writes) that a per-head decode step needs.
 
 A batch row r becomes H virtual sequences (r, h), ordered row-major: for one decode token per row the
 queries [R, H, g, D] are already the virtual sequences' queries, with no reorder copy. Row r's virtual sequence for
@@ -23,11 +23,11 @@ Outputs:
     lens  [R*H]      int32     virtual lengths seq_len - P*page + kept_h (0 for padding rows), at dest[r*H + h]
     slots [R*q, H]   int64     cache slot (page * page_size + offset) of the row's q scheduled tokens,
                                the last q positions of the row; -1 for padding rows
-Optional, fused (a per-head decode step would otherwise launch a strided query copy, two strided K/V copies
-and vLLM's cache write after this kernel, each a few microseconds a layer on the GPU):
+Fused (a per-head decode step would otherwise launch a query copy, a K/V copy and vLLM's cache write after
+this kernel, each a few microseconds a layer on the GPU):
     queries (source [R*q, Hq*D], unit stride in the last dim; destination [R*q, Hq*D] contiguous), any dtype:
                                the source copied into the destination
-    kv (keys [R*q, H, D], values [R*q, H, D]; cache [blocks, H, page, 2*D] of the same dtype, K in [..., :D],
+    kv, optional (keys [R*q, H, D], values [R*q, H, D]; cache [blocks, H, page, 2*D] of the same dtype, K in [..., :D],
                                V in [..., D:]; each with unit stride in the last dim): each scheduled token's key and
                                value of head h stored at its slot, unchanged (a cache of the model dtype;
                                quantized caches are written by vLLM's own quantizing kernel); padding rows skipped
@@ -58,8 +58,7 @@ def _decode_tables_kernel(block_table, seq_lens, fresh, counts, kept, dest, page
                           q_src, q_dst, stride_q, keys, values, cache, stride_k, stride_kh, stride_v, stride_vh,
                           stride_cb, stride_ch, stride_cn,
                           NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
-                          BLOCK_C: tl.constexpr, BLOCK_Q: tl.constexpr,
-                          COPY_Q: tl.constexpr, GROUP_DIM: tl.constexpr, BLOCK_GD: tl.constexpr,
+                          BLOCK_C: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_DIM: tl.constexpr, BLOCK_GD: tl.constexpr,
                           WRITE_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -92,12 +91,12 @@ def _decode_tables_kernel(block_table, seq_lens, fresh, counts, kept, dest, page
     cache_slot = tl.where(vlen > 0, cache_slot, -1)
     token = (r * query_len + i).to(tl.int64)
     tl.store(slots + token * NUM_HEADS + h, cache_slot, mask=valid)
-    if COPY_Q:  # head h's g query rows of each scheduled token
-        e = tl.arange(0, BLOCK_GD)
-        inside = valid[:, None] & (e < GROUP_DIM)[None, :]
-        column = h * GROUP_DIM + e[None, :]
-        tl.store(q_dst + token[:, None] * (NUM_HEADS * GROUP_DIM) + column,
-                 tl.load(q_src + token[:, None] * stride_q + column, mask=inside), mask=inside)
+    # head h's g query rows of each scheduled token
+    e = tl.arange(0, BLOCK_GD)
+    inside = valid[:, None] & (e < GROUP_DIM)[None, :]
+    column = h * GROUP_DIM + e[None, :]
+    tl.store(q_dst + token[:, None] * (NUM_HEADS * GROUP_DIM) + column,
+             tl.load(q_src + token[:, None] * stride_q + column, mask=inside), mask=inside)
     if WRITE_KV:
         d = tl.arange(0, BLOCK_D)
         inside = (valid & (vlen > 0))[:, None] & (d < HEAD_DIM)[None, :]
@@ -111,10 +110,9 @@ def _decode_tables_kernel(block_table, seq_lens, fresh, counts, kept, dest, page
 
 def decode_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, fresh: torch.Tensor, counts: torch.Tensor,
                   kept: torch.Tensor, query_len: int, page_size: int, pages: torch.Tensor, lens: torch.Tensor,
-                  slots: torch.Tensor, dest: torch.Tensor,
-                  queries: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  slots: torch.Tensor, dest: torch.Tensor, queries: tuple[torch.Tensor, torch.Tensor],
                   kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Fill pages / lens / slots in place, and copy `queries` / write `kv` when given (shapes in the module
+    """Fill pages / lens / slots in place, copy `queries` and write `kv` when given (shapes in the module
     docstring). One launch, no host sync."""
     num_rows, num_heads = counts.shape
     tokens = num_rows * query_len
@@ -122,14 +120,13 @@ def decode_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, fresh: torc
     assert lens.shape == (num_rows * num_heads,) and slots.shape == (tokens, num_heads)
     assert block_table.stride(-1) == 1 and counts.is_contiguous() and kept.is_contiguous()
     assert dest.shape == (num_rows * num_heads,) and dest.dtype == torch.int32
-    q_src = q_dst = keys = values = cache = dest  # placeholders of the variants without them (never read)
-    stride_q = stride_k = stride_kh = stride_v = stride_vh = group_dim = head_dim = 0
+    q_src, q_dst = queries
+    assert q_src.shape == q_dst.shape and q_src.shape[0] == tokens and q_src.shape[1] % num_heads == 0
+    assert q_src.stride(-1) == 1 and q_dst.is_contiguous() and q_src.dtype == q_dst.dtype
+    group_dim = q_src.shape[1] // num_heads
+    keys = values = cache = dest  # placeholders of the variant without the write (never read)
+    stride_k = stride_kh = stride_v = stride_vh = head_dim = 0
     cache_strides = (0, 0, 0)
-    if queries is not None:
-        q_src, q_dst = queries
-        assert q_src.shape == q_dst.shape and q_src.shape[0] == tokens and q_src.shape[1] % num_heads == 0
-        assert q_src.stride(-1) == 1 and q_dst.is_contiguous() and q_src.dtype == q_dst.dtype
-        stride_q, group_dim = q_src.stride(0), q_src.shape[1] // num_heads
     if kv is not None:
         keys, values, cache = kv
         head_dim = keys.shape[-1]
@@ -141,10 +138,10 @@ def decode_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, fresh: torc
     _decode_tables_kernel[(num_rows, num_heads)](
         block_table, seq_lens, fresh, counts, kept, dest, pages, lens, slots,
         num_rows, query_len, block_table.stride(0), pages.stride(0),
-        q_src, q_dst, stride_q, keys, values, cache, stride_k, stride_kh, stride_v, stride_vh, *cache_strides,
+        q_src, q_dst, q_src.stride(0), keys, values, cache, stride_k, stride_kh, stride_v, stride_vh, *cache_strides,
         NUM_HEADS=num_heads, PAGE=page_size, BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_C=128,
-        BLOCK_Q=triton.next_power_of_2(query_len), COPY_Q=queries is not None, GROUP_DIM=group_dim,
-        BLOCK_GD=triton.next_power_of_2(max(group_dim, 1)), WRITE_KV=kv is not None, HEAD_DIM=head_dim,
+        BLOCK_Q=triton.next_power_of_2(query_len), GROUP_DIM=group_dim,
+        BLOCK_GD=triton.next_power_of_2(group_dim), WRITE_KV=kv is not None, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(max(head_dim, 1)))
 
 

@@ -43,8 +43,8 @@ def check(device: str, seed: int) -> None:
         qkv = torch.randn(3, 4 * H * 8, generator=gen).to(device)
         keys, values = qkv[:, 2 * H * 8:].unflatten(1, (2, H, 8)).unbind(1)
         cache = torch.zeros(3 * WIDTH * 2, H, N, 16, device=device)
-        pages, lens, slots = tables.layer(layer, block_table.to(device), seq_lens.to(device),
-                                          query=qkv[:, : 2 * H * 8], kv=(keys, values, cache))
+        pages, lens, slots = tables.layer(layer, block_table.to(device), seq_lens.to(device), qkv[:, : 2 * H * 8],
+                                          (keys, values, cache))
         assert torch.equal(tables.queries[layer, :3].reshape(3, -1), qkv[:, : 2 * H * 8])
         written = cache.view(-1, 16)[slots.view(3, H)]                 # [3, H, 2*D] at each token's slot
         assert torch.equal(written, torch.cat([keys, values], dim=-1))

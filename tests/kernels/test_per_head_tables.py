@@ -2,9 +2,9 @@
 
 Fresh random batches mix padding rows (length 0), stock rows (P = 0) and per-head rows with uneven
 (Ada-KV-like) page counts, some of whose heads keep the whole prompt in a partial last page; query
-lengths 1 and 3; the virtual sequences in natural and in random order; with and without the fused query
-copy and K/V write (checked against a copy and a slot-by-slot write). CPU (CI): the kernel in the Triton interpreter (subprocess). GPU (``-m gpu``): the
-compiled kernel."""
+lengths 1 and 3; the virtual sequences in natural and in random order; the fused query copy, with and
+without the fused K/V write (checked against a copy and a slot-by-slot write). CPU (CI): the kernel in the
+Triton interpreter (subprocess). GPU (``-m gpu``): the compiled kernel."""
 
 from __future__ import annotations
 
@@ -43,9 +43,9 @@ def random_batch(gen: torch.Generator, num_rows: int, num_heads: int, query_len:
 
 def fused_inputs(gen: torch.Generator, block_table: torch.Tensor, num_heads: int, ref_slots: torch.Tensor,
                  device: str) -> tuple[dict, tuple]:
-    """The fused variant's arguments: strided views of a fused QKV projection (as vLLM hands them to attention)
-    and a random cache of every page a block table can name; with what they must hold afterwards: the
-    contiguous queries, and the cache with each scheduled token's K/V at its reference slot (-1: nothing)."""
+    """The fused arguments: strided views of a fused QKV projection (as vLLM hands them to attention) and a
+    random cache of every page a block table can name; with what they must hold afterwards: the contiguous
+    queries, and the cache with each scheduled token's K/V at its reference slot (-1: nothing)."""
     group, dim, tokens = 3, 8, ref_slots.shape[0]
 
     def views(qkv: torch.Tensor) -> tuple:  # queries [T, g*H*D], keys and values [T, H, D]
@@ -85,15 +85,15 @@ def check(device: str, seed: int) -> None:
             pages = torch.full((num_rows * num_heads, width + 4), -7, dtype=torch.int32, device=device)
             lens = torch.full((num_rows * num_heads,), -7, dtype=torch.int32, device=device)
             slots = torch.full((num_rows * query_len, num_heads), -7, dtype=torch.int64, device=device)
-            fused = bool(torch.randint(0, 2, (), generator=gen))
-            fused_args, expected = fused_inputs(gen, inputs[0], num_heads, ref_slots, device) if fused else ({}, None)
+            write = bool(torch.randint(0, 2, (), generator=gen))
+            fused, (queries, cache) = fused_inputs(gen, inputs[0], num_heads, ref_slots, device)
+            before = fused["kv"][2].cpu().clone()
             decode_tables(*(t.to(device) for t in inputs), query_len, PAGE, pages, lens, slots, dest.to(device),
-                          **fused_args)
+                          fused["queries"], fused["kv"] if write else None)
             assert torch.equal(lens.cpu()[position], ref_lens.flatten()), (lens, ref_lens, dest)
             assert torch.equal(slots.cpu(), ref_slots), (slots, ref_slots)
-            if fused:
-                assert torch.equal(fused_args["queries"][1].cpu(), expected[0])
-                assert torch.equal(fused_args["kv"][2].cpu(), expected[1])
+            assert torch.equal(fused["queries"][1].cpu(), queries)
+            assert torch.equal(fused["kv"][2].cpu(), cache if write else before)
             for h in range(num_heads):
                 for r in range(num_rows):
                     got = pages[position[r * num_heads + h], : len(ref_pages[r][h])].cpu().tolist()

@@ -260,17 +260,14 @@ class DecodeGraphTables:
         self._compile(kv_dtype)
 
     def _compile(self, kv_dtype: torch.dtype | None) -> None:
-        """Compile the table kernel's variants before graph capture: tables alone, and with the fused query copy
-        and K/V write when the per-head graphs write a cache of kv_dtype (the queries' dtype)."""
-        table = torch.zeros(1, 1, dtype=torch.int32, device=self.fresh.device)
-        seq_lens = torch.zeros(1, dtype=torch.int32, device=self.fresh.device)
-        self.layer(0, table, seq_lens)
-        if kv_dtype is not None:
-            q_heads, dim = self.queries.shape[2:]
-            row = torch.zeros(1, (q_heads + 2 * self.num_heads) * dim, dtype=kv_dtype, device=table.device)
-            keys, values = row[:, q_heads * dim:].view(1, 2, self.num_heads, dim).unbind(1)
-            cache = torch.zeros(1, self.num_heads, self.page_size, 2 * dim, dtype=kv_dtype, device=table.device)
-            self.layer(0, table, seq_lens, query=row[:, : q_heads * dim], kv=(keys, values, cache))
+        """Compile the table kernel before graph capture as the per-head graphs launch it: with the query copy,
+        and with the K/V write when they write a cache of kv_dtype (the queries' dtype)."""
+        device, (q_heads, dim) = self.fresh.device, self.queries.shape[2:]
+        table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+        row = torch.zeros(1, (q_heads + 2 * self.num_heads) * dim, dtype=self.queries.dtype, device=device)
+        keys, values = row[:, q_heads * dim:].view(1, 2, self.num_heads, dim).unbind(1)
+        cache = torch.zeros(1, self.num_heads, self.page_size, 2 * dim, dtype=row.dtype, device=device)
+        self.layer(0, table, table[0], row[:, : q_heads * dim], None if kv_dtype is None else (keys, values, cache))
 
     @property
     def max_rows(self) -> int:
@@ -323,19 +320,19 @@ class DecodeGraphTables:
         self.position.scatter_(1, order, sequences.to(torch.int32).expand(num_layers, -1))
         self.ordered_rows = num_rows
 
-    def layer(self, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
-              query: torch.Tensor | None = None, kv: tuple | None = None):
+    def layer(self, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor, query: torch.Tensor,
+              kv: tuple | None = None):
         """(pages [R*H, max_pages], lens [R*H] in this layer's order; slots [R*H] by (row, head)) of one layer
-        for the R rows of seq_lens. In the same launch: `query` [R, Hq*D] (unit stride in the last dim) is
+        for the R rows of seq_lens. In the same launch `query` [R, Hq*D] (unit stride in the last dim) is
         copied into this layer's `queries`, and kv = (keys [R, H, D], values [R, H, D], cache [blocks, H,
-        page, 2*D] of their dtype) writes each row's token to its slot (kernels/per_head_tables.py)."""
+        page, 2*D] of their dtype), when given, writes each row's token to its slot (kernels/per_head_tables.py)."""
         from vllm_evict.kernels.per_head_tables import decode_tables
 
         num_rows, heads = seq_lens.shape[0], self.num_heads
         pages = self.pages[: num_rows * heads * self.max_pages].view(num_rows * heads, self.max_pages)
         lens, slots = self.lens[: num_rows * heads], self.slots[:num_rows]
-        queries = None if query is None else (query, self.queries[layer, :num_rows].view(num_rows, -1))
+        staged = self.queries[layer, :num_rows].view(num_rows, -1)
         decode_tables(block_table, seq_lens, self.fresh[:num_rows], self.counts[layer, :num_rows],
                       self.kept[layer, :num_rows], 1, self.page_size, pages, lens, slots,
-                      self.position[layer, : num_rows * heads], queries=queries, kv=kv)
+                      self.position[layer, : num_rows * heads], (query, staged), kv)
         return pages, lens, slots.view(-1)
