@@ -100,8 +100,7 @@ def decode_graph_tables(kv_cache_spec, layer_names, vllm_config, device, full_gr
         page_size=page, device=device, num_q_heads=model.get_num_attention_heads(vllm_config.parallel_config),
         head_dim=kv_cache_spec.head_size, dtype=query_dtype, queries=BUILD.staged_queries,
         # the per-head graphs' table kernel writes a model-dtype cache (cuda_backend._per_head_graph_forward)
-        kv_dtype=model.dtype if per_head_path and not is_quantized_kv_cache(vllm_config.cache_config.cache_dtype)
-        else None)
+        writes_kv=per_head_path and not is_quantized_kv_cache(vllm_config.cache_config.cache_dtype))
     BUILD.staged_queries = tables.queries
     return tables
 

@@ -231,7 +231,7 @@ class DecodeGraphTables:
       entries permute 0 .. n*H - 1 for every graph size n of the batch;
     - per-layer outputs (pages, lens, token slots), recomputed on device inside the graph by one kernel
       per layer from vLLM's block table and (worker-shifted) seq_lens; the same launch copies the layer's
-      query and, for a model-dtype cache (`kv_dtype`), writes the step's keys and values to their slots;
+      query and, for a model-dtype cache (`writes_kv`), writes the step's keys and values to their slots;
     - every layer's queries [L, R, Hq, D] (`queries`): a per-head graph's table kernel (a staged graph's
       attention call) copies the layer's strided query there, the contiguous copy FlashAttention needs
       anyway, so the worker can record window queries after a graph replay (window_store.WindowStore.capture_all).
@@ -239,7 +239,7 @@ class DecodeGraphTables:
 
     def __init__(self, num_layers: int, max_rows: int, num_heads: int, max_pages: int, page_size: int,
                  device: torch.device, num_q_heads: int, head_dim: int, dtype: torch.dtype,
-                 queries: torch.Tensor | None = None, kv_dtype: torch.dtype | None = None):
+                 queries: torch.Tensor | None = None, writes_kv: bool = False):
         self.num_heads, self.max_pages, self.page_size = num_heads, max_pages, page_size
         shape = (num_layers, max_rows, num_q_heads, head_dim)
         if queries is None or queries.shape != shape or queries.dtype != dtype or queries.device != device:
@@ -257,17 +257,17 @@ class DecodeGraphTables:
         self.slots = torch.zeros(max_rows, num_heads, dtype=torch.int64, device=device)
         self.loaded: dict[int, int] = {}    # row -> layout serial of the per-head rows in the buffers
         self.ordered_rows = 0               # the number of rows `order` was computed for
-        self._compile(kv_dtype)
+        self._compile(writes_kv)
 
-    def _compile(self, kv_dtype: torch.dtype | None) -> None:
+    def _compile(self, writes_kv: bool) -> None:
         """Compile the table kernel before graph capture as the per-head graphs launch it: with the query copy,
-        and with the K/V write when they write a cache of kv_dtype (the queries' dtype)."""
+        and with the K/V write when they write the cache (one of the queries' dtype)."""
         device, (q_heads, dim) = self.fresh.device, self.queries.shape[2:]
         table = torch.zeros(1, 1, dtype=torch.int32, device=device)
         row = torch.zeros(1, (q_heads + 2 * self.num_heads) * dim, dtype=self.queries.dtype, device=device)
         keys, values = row[:, q_heads * dim:].view(1, 2, self.num_heads, dim).unbind(1)
         cache = torch.zeros(1, self.num_heads, self.page_size, 2 * dim, dtype=row.dtype, device=device)
-        self.layer(0, table, table[0], row[:, : q_heads * dim], None if kv_dtype is None else (keys, values, cache))
+        self.layer(0, table, table[0], row[:, : q_heads * dim], (keys, values, cache) if writes_kv else None)
 
     @property
     def max_rows(self) -> int:
