@@ -979,6 +979,9 @@ PLANS = {
     # and SnapKV at one decode budget and allocation, an engine each
     **{f"reasoning-1k-4k-{budget}{'-adakv' if allocation == 'adakv' else ''}": _reasoning_plan(budget, allocation)
        for budget in (1024, 2048) for allocation in ("uniform", "adakv")},
+    # the reasoning shape's physical limits alone (vanilla's step times, without vanilla's own 4K-token run):
+    # the reference of a lease too short for both (H100 ~130 s)
+    "reasoning-1k-4k-limit": [("vanilla", "limit", REASONING_ARGS + REASONING_LIMIT, 240)],
     # the same with n-gram speculation in both engines (DropKV at K_d 1024 only)
     "reasoning-1k-4k-1024-ngram": [
         ("vanilla", "decode", REASONING_ARGS + NGRAM, 300),
