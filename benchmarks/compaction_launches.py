@@ -6,7 +6,9 @@ was bound by them (docs/BENCHMARKS.md, "Decode-time eviction"). This counts the 
 their third decode point (the second in per-head layout under Ada-KV), Llama-3.1-8B-shaped (32 layers,
 8 KV heads, 32 query heads, d=128, page 16), with the torch profiler's top-level operators. The cache
 adapter's gather and write and the fused scoring kernel are one launch each on CUDA, so they are left out
-(the CPU adapter loops over layers instead; scoring returns random scores).
+(the CPU adapter loops over layers instead; scoring returns random scores). `kernels` counts the dispatched
+operations that compute (no views, no empty tensors): on a GPU a kernel each, a graph node each in a captured
+compaction; `by_function` splits them by the engine function that issued them.
 
   python benchmarks/compaction_launches.py --requests 1 3 6 --allocations uniform adakv
 """
@@ -16,8 +18,10 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import traceback
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 LAYERS, H, G, D, N = 32, 8, 4, 128, 16
 PROMPT, DECODE_BUDGET, DECODE_EVERY = 1024, 1024, 128
@@ -63,6 +67,28 @@ class DecodePointBatch:
             state.advance()
 
 
+# aten operations that compute nothing on a GPU (views, metadata, allocation)
+NO_KERNEL = ("view", "_unsafe_view", "empty", "empty_strided", "permute", "expand", "slice", "select", "unsqueeze",
+             "squeeze", "alias", "detach", "lift_fresh", "transpose", "t", "unbind", "split", "narrow", "as_strided",
+             "_local_scalar_dense")
+
+
+class KernelCount(TorchDispatchMode):
+    """Dispatched operations that compute, by the innermost vllm_evict function on the stack (this file's own:
+    the stand-in scores, the block ids, not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_function = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in NO_KERNEL:
+            frames = [f for f in traceback.extract_stack()[:-1] if "vllm_evict" in f.filename or f.filename == __file__]
+            inner = frames[-1] if frames else None
+            self.by_function["(benchmark)" if inner is None or inner.filename == __file__ else inner.name] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def count(policy: str, allocation: str, num_requests: int) -> dict:
     from torch.profiler import profile
 
@@ -88,11 +114,18 @@ def count(policy: str, allocation: str, num_requests: int) -> dict:
     for _ in range(2):
         batch.point()
         batch.advance()
+    saved = [(state.layers, state.shift) for state in batch.states]
     with profile() as prof:
         batch.point()
     ops = collections.Counter(event.name for event in prof.events() if event.cpu_parent is None)
+    for state, (kept_layers, shift) in zip(batch.states, saved):  # the same point again, its kernels counted
+        state.layers, state.shift = kept_layers, shift
+    with KernelCount() as kernels:
+        batch.point()
+    kernels.by_function.pop("(benchmark)", None)  # the stand-in scores and the block ids
     return {"policy": policy, "allocation": allocation, "requests": num_requests, "ops": sum(ops.values()),
-            "most": ops.most_common(5)}
+            "most": ops.most_common(5), "kernels": sum(kernels.by_function.values()),
+            "by_function": dict(kernels.by_function.most_common())}
 
 
 def main() -> None:
