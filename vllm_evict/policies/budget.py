@@ -202,19 +202,13 @@ def adakv_pages(scores: torch.Tensor, pages: int | list[int], *, page_size: int,
     num_layers, h, n = scores.shape
     device = scores.device
     per_layer = [pages] * num_layers if isinstance(pages, int) else list(pages)
-    a = Fraction(repr(float(alpha)))
-    # x_i = ((1-a) f_i + a B/H) / bs with B = P*H*bs, over the common denominator q*H*bs
-    q, p_min_cap = a.denominator, -(-max(max_protected, 1) // page_size)
+    a, p_min_cap, units = adakv_terms(h, n, page_size, alpha, max_protected, ragged=lengths is not None)
+    q = a.denominator
     if lengths is None:
-        held, p_max, units = None, -(-n // page_size), h * p_min_cap
+        held, p_max = None, -(-n // page_size)
     else:
         held = lengths.to(device, torch.int64).reshape(num_layers, h)
         p_max = (held + page_size - 1) // page_size
-        # a head clamped at its p_max,i (it holds less than its safeguard share) leaves pages to the others: a head
-        # may take (or give) up to all its pages
-        units = -(-n // page_size)
-    if q * h * (2 * n + (units + 1) * page_size) >= 1 << 62:
-        raise ValueError(f"alpha={alpha!r} has too many decimal digits for exact page rounding at n={n}")
     if sorted_scores is None:
         sorted_scores = torch.sort(scores, dim=-1, descending=True).values
     f = torch.empty(num_layers, h, dtype=torch.int64, device=device)
@@ -234,6 +228,21 @@ def adakv_pages(scores: torch.Tensor, pages: int | list[int], *, page_size: int,
     if held is None:
         return out
     return torch.where(p_max.sum(dim=1, keepdim=True) <= pages_t.view(-1, 1) * h, p_max, out)
+
+
+def adakv_terms(h: int, n: int, page_size: int, alpha: float, max_protected: int,
+                ragged: bool) -> tuple[Fraction, int, int]:
+    """adakv_pages' exact constants for H = h heads of n scores: alpha as a fraction a (x_i = ((1-a) f_i + a B/H) / bs
+    with B = P*H*bs, over the common denominator q*H*bs, q = a's denominator), the cap on p_min, and the units one
+    head may take or give in the rounding (`_round_units`). Raises where int64 could not hold the rounding."""
+    a = Fraction(repr(float(alpha)))
+    p_min_cap = -(-max(max_protected, 1) // page_size)
+    # over ragged held sets a head clamped at its p_max,i (it holds less than its safeguard share) leaves pages to
+    # the others: a head may take (or give) up to all its pages
+    units = -(-n // page_size) if ragged else h * p_min_cap
+    if a.denominator * h * (2 * n + (units + 1) * page_size) >= 1 << 62:
+        raise ValueError(f"alpha={alpha!r} has too many decimal digits for exact page rounding at n={n}")
+    return a, p_min_cap, units
 
 
 def _head_counts(scores: torch.Tensor, sorted_scores: torch.Tensor, top: int,
