@@ -376,6 +376,9 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     # head by head)
     written = torch.stack([blocks for _, _, blocks in requests])
     read = None if per_head else torch.stack([blocks for _, blocks, _ in requests])
+    if per_head:  # each request's blocks, a row each (held widths differ by request)
+        read = torch.nn.utils.rnn.pad_sequence([blocks.to(torch.int64) for _, blocks, _ in requests],
+                                               batch_first=True)
     groups = layer_groups(layers, held * R, group_bytes)
     options = {**config.score_options(), "window": point.window, "sink": point.sink, "future_rotation": rotation}
     # Ada-KV under TP: the layout spans the blocks of the fullest rank over all layers, known once every
@@ -388,7 +391,7 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     for group in groups:
         lengths, cache = None, group[0][1]
         if per_head:
-            keys, values, lengths = _gather_heads(cache, group, requests, inputs, held)
+            keys, values, lengths = _gather_heads(cache, group, read, inputs, held)
         else:
             keys, values = _gather(cache, group, read, held)
         G, H = len(group), num_heads
@@ -437,7 +440,7 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
         used = (used + num_heads - 1) // num_heads
         for i, (group, keep, counts) in enumerate(selected):
             if i < len(selected) - 1:  # the last group's K/V are still gathered (the others' layers unwritten)
-                keys, values = (_gather_heads(group[0][1], group, requests, inputs, held)[:2] if per_head
+                keys, values = (_gather_heads(group[0][1], group, read, inputs, held)[:2] if per_head
                                 else _gather(group[0][1], group, read, held))
             _write_group(states, group, keys, values, keep[None], counts[None], written, used)
     if spans_written:
@@ -498,16 +501,15 @@ def group_layers(per_layer: torch.Tensor, group: list, dim: int) -> torch.Tensor
     return per_layer.index_select(dim, device_ints(tuple(indices), per_layer.device))
 
 
-def _gather_heads(cache, group: list, requests: list[tuple], inputs: PerHeadInputs, n: int) -> tuple:
+def _gather_heads(cache, group: list, row_blocks: torch.Tensor, inputs: PerHeadInputs, n: int) -> tuple:
     """keys, values [n, R, G, H, D] of what each head of R requests in per-head layout holds in a layer
     group (zero past a head's count), and the counts [R, G, H]: the head's kept tokens at the last point,
-    then the tokens since, in its pages (per_head.head_pages over the request's blocks). One slot table for
-    all requests and layers, one gather (the adapter's gather_held)."""
+    then the tokens since, in its pages (per_head.head_pages over the request's blocks, row_blocks [R, >= F]
+    int64). One slot table for all requests and layers, one gather (the adapter's gather_held)."""
     G, H, D, page, device = len(group), cache.num_heads, cache.stored_dim, cache.page_size, cache.device
-    R = len(requests)
+    R = row_blocks.shape[0]
     counts = group_layers(inputs.counts, group, 1)                                          # [R, G, H]
     held = group_layers(inputs.kept, group, 1) + inputs.since.view(R, 1, 1)
-    row_blocks = torch.nn.utils.rnn.pad_sequence([blocks.to(torch.int64) for _, blocks, _ in requests], batch_first=True)
     pages = head_pages(counts.permute(1, 2, 0), inputs.fresh, row_blocks, -(-n // page))   # [G, H, R, W]
     col = torch.arange(n, device=device)
     slots = pages.gather(-1, (col // page).expand(G, H, R, n)) * page + col % page          # [G, H, R, n]
