@@ -45,10 +45,13 @@ def decode_batch(config, blocks: list[list[int]], seed: int, device: str):
 
 def next_point(batch, blocks: list[list[int]], seed: int, device: str) -> None:
     """Move a compacted batch on to its next decode point (in place, over the same blocks)."""
+    from vllm_evict.engine.request_state import kept_most
+
     generator = torch.Generator(device=device).manual_seed(seed + 100)
+    per_head = [state for state in batch if not state.stock_layout]
+    if per_head:
+        kept_most(per_head)
     for state, request_blocks in zip(batch, blocks):
-        if not state.stock_layout:
-            state.kept_most()
         state.advance()
         assert state.point.decode and state.point.in_place
         state.prompt_block_ids = request_blocks

@@ -10,7 +10,7 @@ import torch
 from vllm_evict.engine import per_head
 from vllm_evict.engine.compaction import LayerCompaction
 from vllm_evict.engine.request_config import RequestEviction
-from vllm_evict.engine.request_state import WorkerEviction
+from vllm_evict.engine.request_state import WorkerEviction, kept_most
 from vllm_evict.engine.step import StepPlan
 from vllm_evict.policies import EvictionConfig
 
@@ -123,7 +123,7 @@ def test_split_kv_from_the_rows_lengths(monkeypatch):
 
     state = compacted_state(torch.Generator().manual_seed(3), 40, 4)  # E=40, P=4: shift 24
     state.layers[1].kept[0] = 40  # one head of one layer kept every prompt token
-    state.kept_most()
+    kept_most([state])
     plan = StepPlan(num_reqs=2, states=[None, state], captures=[], compacting=[], compacted_rows=[1],
                     per_head_rows=[1], per_head_tokens=[1], page_size=N,
                     row_shift=np.array([0, state.shift]))  # as shift_positions records it

@@ -121,15 +121,6 @@ class WorkerEviction(FollowsSchedule):
         if step < self.window and windows is not None and self.window_offset >= 0:
             windows.shift(self.window_offset, self.window, step)
 
-    def kept_most(self) -> None:
-        """After a compaction into per-head layout: stack its page counts for the tables, and copy the most
-        tokens a head kept to the host (the next point gathers up to that head)."""
-        from vllm_evict.engine.per_head import stacked_counts
-
-        self.stacked = None
-        _, kept = stacked_counts(self, next(iter(self.layers.values())).kept.device)
-        self.most_kept, self.fullest_offset = HostCopy(kept.amax()), None
-
     def fullest_head(self, written: int, wait: bool = False) -> int | None:
         """Tokens the fullest head holds with `written` tokens written (per-head layout): what it kept at the
         last point plus the tokens since. Without `wait`, None until that copy has reached the host."""
@@ -146,15 +137,29 @@ class WorkerEviction(FollowsSchedule):
         return self.failed or self.uniform or not self.layers
 
 
+def kept_most(states: list) -> None:
+    """After a compaction of requests into per-head layout: stack each one's page counts for the tables, and
+    copy the most tokens a head of each kept to the host (the next point gathers up to that head), one copy
+    for all of them."""
+    from vllm_evict.engine.per_head import stacked_counts
+
+    for state in states:
+        state.stacked = None
+    device = next(iter(states[0].layers.values())).kept.device
+    kept = torch.stack([stacked_counts(state, device)[1] for state in states])              # [R, L, H]
+    for state, most in zip(states, HostCopy(kept.flatten(1).amax(dim=1)).items()):
+        state.most_kept, state.fullest_offset = most, None
+
+
 class HostCopy:
-    """A device scalar copied to the host without a stream sync; `read` waits for that copy only."""
+    """A device tensor copied to the host without a stream sync; `read` waits for that copy only."""
 
     def __init__(self, value: torch.Tensor):
         self.event = None
         if value.device.type != "cuda":
             self.host = value
             return
-        self.host = torch.empty((), dtype=value.dtype, pin_memory=True)
+        self.host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
         self.host.copy_(value, non_blocking=True)
         self.event = torch.cuda.Event()
         self.event.record()
@@ -168,3 +173,12 @@ class HostCopy:
         if self.event is not None:
             self.event.synchronize()
         return int(self.host)
+
+    def items(self) -> list["HostCopy"]:
+        """A HostCopy of each element of a copied vector, all waiting on its one copy."""
+        elements = []
+        for host in self.host.unbind():
+            element = HostCopy.__new__(HostCopy)
+            element.host, element.event = host, self.event
+            elements.append(element)
+        return elements

@@ -10,7 +10,7 @@ from vllm.logger import init_logger
 from vllm.utils.torch_utils import is_quantized_kv_cache
 
 from vllm_evict.engine.request_config import RequestEviction
-from vllm_evict.engine.request_state import WorkerEviction
+from vllm_evict.engine.request_state import WorkerEviction, kept_most
 from vllm_evict.engine.worker import compact_one
 
 logger = init_logger(__name__)
@@ -106,7 +106,7 @@ def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: in
                                                  device=device).to(q_dtype or dtype)
                 compact_one([state], layers, head_dim ** -0.5)
                 if again:  # next: the decode point one page later, in place over the layout and that page
-                    state.kept_most()
+                    kept_most([state])
                     state.advance()
                     state.prompt_block_ids = list(range(16, 17 + pages))
                     state.fresh_blocks = list(range(16, 16 + -(-state.point.kept // page)))

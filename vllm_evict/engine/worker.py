@@ -16,7 +16,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm_evict.engine.compaction import GROUP_BYTES, KVHeadGroup, compact_requests, compaction_batches, group_bytes
 from vllm_evict.engine.compaction_graphs import CompactionGraphs, graphs_allowed
 from vllm_evict.engine.request_config import PLAN_KEY, parse_request
-from vllm_evict.engine.request_state import HostCopy, WorkerEviction
+from vllm_evict.engine.request_state import HostCopy, WorkerEviction, kept_most
 from vllm_evict.engine.step import BUILD, Capture, StepPlan, staging_graph_step
 from vllm_evict.engine.timing import CompactionTimer
 from vllm_evict.engine.window_store import WindowStore
@@ -337,9 +337,9 @@ class WorkerEvictionState:
                                            self.group_bytes)
                 if used is not None:
                     batch[0].used_blocks = HostCopy(used)
-                for state in batch:
-                    if not state.stock_layout:
-                        state.kept_most()
+                per_head_states = [state for state in batch if not state.stock_layout]
+                if per_head_states:
+                    kept_most(per_head_states)
             except Exception as exc:  # one batch's failure must not take the others or the engine down
                 logger.exception("vllm-evict: compaction of requests %s failed", [s.req_id for s in batch])
                 for state in batch:
