@@ -2,7 +2,7 @@
 
 On a GPU each is a kernel launch or at least a dispatch on the host, and a step that compacts a dozen requests
 was bound by them (docs/BENCHMARKS.md, "Decode-time eviction"). This counts the engine's own compaction
-(`compaction.compact_requests`, then each request's `kept_most` as the worker calls it) of R requests at
+(`compaction.compact_requests`, then `kept_most` of its per-head requests, as the worker calls them) of R requests at
 their third decode point (the second in per-head layout under Ada-KV), Llama-3.1-8B-shaped (32 layers,
 8 KV heads, 32 query heads, d=128, page 16), with the torch profiler's top-level operators. The cache
 adapter's gather and write and the fused scoring kernel are one launch each on CUDA, so they are left out
@@ -46,7 +46,7 @@ class DecodePointBatch:
         self.device = layers[0][1].device
 
     def point(self) -> None:
-        from vllm_evict.engine import compaction
+        from vllm_evict.engine import compaction, request_state
 
         requests = []
         for r, state in enumerate(self.states):
@@ -58,9 +58,9 @@ class DecodePointBatch:
             requests.append((state, torch.tensor(state.prompt_block_ids, device=self.device),
                              torch.tensor(state.fresh_blocks, device=self.device)))
         compaction.compact_requests(requests, self.layers, D ** -0.5, group_bytes=self.group_bytes)
-        for state in self.states:
-            if not state.stock_layout:
-                state.kept_most()
+        per_head = [state for state in self.states if not state.stock_layout]
+        if per_head:
+            request_state.kept_most(per_head)
 
     def advance(self) -> None:
         for state in self.states:
