@@ -18,6 +18,12 @@ usage: python benchmarks/scoring.py [--out scoring.json] [--quick] [--sweep]
 folded into 1,536 heads, 1,152 held tokens each, as the engine scores them at decode budget 1024), with the
 held K/V token-major ([n, heads, D] contiguous) and head-major (each head's tokens contiguous), over a
 launch grid of kernels A and B.
+
+--adakv-allocation: Ada-KV's page allocation at decode-point shapes (1, 6 and 15 requests x 32 layers of 8 KV
+heads, 64 pages of 16 tokens a head, held sets as at a second decode point: 32 to 96 pages a head and 128 tokens
+since, padded to the fullest head; DropKV's defaults): the one-launch
+kernel (kernels.adakv_pages) against the torch reference it replaces (policies.budget.adakv_pages, ~70
+launches), both on the sorted scores the engine passes, with their outputs compared.
 """
 
 from __future__ import annotations
@@ -195,6 +201,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="kernel B / A launch-parameter sweep at 128K")
     ap.add_argument("--decode-point", action="store_true",
                     help="a decode-point batch's shape, token-major against head-major K/V, kernels A/B launch grid")
+    ap.add_argument("--adakv-allocation", action="store_true",
+                    help="Ada-KV's allocation kernel against its torch reference at decode-point shapes")
     ap.add_argument("--sweep-b", action="store_true",
                     help="kernel B launch sweep of the default (bf16x3) dropkv at 32K and 128K only")
     args = ap.parse_args()
@@ -219,6 +227,8 @@ def main():
 
     if args.decode_point:
         return decode_point(args, meta, ceil)
+    if args.adakv_allocation:
+        return adakv_allocation(args, meta, ceil)
     sizes = [4096, 16384, 131072] if args.quick else [4096, 8192, 16384, 32768, 65536, 131072]
     cases = [("dropkv", 8, None), ("snapkv", 32, None),
              ("dropkv", 8, ws.WindowScoreConfig(precision="ieee"))]
@@ -338,3 +348,37 @@ def decode_point(args, meta, ceil):
 
 if __name__ == "__main__":
     main()
+
+
+def adakv_allocation(args, meta, ceil):
+    from vllm_evict.kernels.adakv_pages import adakv_pages_fused
+    from vllm_evict.policies import EvictionConfig
+    from vllm_evict.policies.budget import adakv_pages
+
+    config = EvictionConfig.from_dict({"policy": "dropkv", "budget": 1024, "allocation": "adakv"})
+    heads, page_size, pages, since = 8, 16, 64, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for requests in (1, 6, 15):
+        layers = 32 * requests
+        # held sets as at a second decode point: what Ada-KV gave each head at the first (64 pages a head on
+        # average, 32 to 96) and 128 tokens since; padded to the fullest head
+        share = 0.5 + torch.rand(layers, heads, device="cuda", generator=gen)
+        kept_pages = (share / share.mean(dim=-1, keepdim=True) * pages).floor().clamp(max=1.5 * pages)
+        lengths = kept_pages.to(torch.int64) * page_size + since
+        n = int(lengths.max())
+        scores = torch.randn(layers, heads, n, device="cuda", generator=gen)
+        scores[torch.arange(n, device="cuda") >= lengths.unsqueeze(-1)] = float("-inf")
+        ordered = scores.sort(dim=-1, descending=True, stable=True).values
+        terms = dict(page_size=page_size, alpha=config.alpha, max_protected=config.protected_count(n), lengths=lengths)
+        fused = adakv_pages_fused(ordered, pages, **terms)
+        reference = adakv_pages(ordered, pages, sorted_scores=ordered, **terms)
+        row = dict(requests=requests, layers=layers, heads=heads, n=n, pages=pages,
+                   equal=bool(torch.equal(fused, reference)),
+                   kernel_ms=_bench(lambda: adakv_pages_fused(ordered, pages, **terms)),
+                   torch_ms=_bench(lambda: adakv_pages(ordered, pages, sorted_scores=ordered, **terms)))
+        rows.append(row)
+        print(f"adakv allocation {requests:2d} requests ({layers} x {heads} x {n}): kernel {row['kernel_ms']:.4f} ms, "
+              f"torch {row['torch_ms']:.4f} ms, equal {row['equal']}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, ceilings=ceil, adakv_allocation=rows), f, indent=1)
