@@ -5,7 +5,8 @@ allocation and Ada-KV, from vLLM's layout and (Ada-KV) from the per-head layout 
 
 On the GPU through real CUDA graphs and the fused Triton scoring kernels; on the CPU through a stand-in graph
 that replays the captured call on the same static tensors (what a CUDA graph re-executes), which checks what
-the graphs read and record."""
+the graphs read and record. Eagerly too, a per-head batch at its next point equals its requests compacted
+alone, with block rows of equal and of unequal length."""
 
 from __future__ import annotations
 
@@ -178,3 +179,44 @@ def stand_in_graphs(monkeypatch):
 def test_replayed_compactions_equal_eager_ones(stand_in_graphs, policy, allocation, per_head):
     ran, met = replays_equal_eager(policy, allocation, stand_in_graphs, "cpu", per_head)
     assert ran == met and any(ran)  # a kind's first batch runs eagerly, the later ones from its graph
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU vLLM's cache ops")
+@pytest.mark.parametrize("extra", [[0, 0], [0, 3]], ids=["equal-rows", "unequal-rows"])
+@pytest.mark.parametrize("policy", ["dropkv", "snapkv"])
+def test_next_point_batch_equals_each_request_alone(policy, extra):
+    """Eagerly, a batch at its next point from per-head layout (Ada-KV) leaves each request's pages and layout
+    as compacting it alone does: with block rows of equal length, and of unequal length (a request lists
+    blocks past those its layout spans, as in-place points of different fill do; its row is zero-padded)."""
+    from vllm_evict.engine.compaction import compact_requests
+    from vllm_evict.engine.cpu_backend import CpuPagedCache
+    from vllm_evict.policies import EvictionConfig
+
+    config = EvictionConfig.from_dict({"policy": policy, "allocation": "adakv"}, budget_required=False)
+    blocks_per_request = -(-(DECODE_BUDGET + DECODE_EVERY) // N)
+    blocks = [list(range(r * 8 + blocks_per_request * r, r * 8 + blocks_per_request * (r + 1)))[::-1]
+              for r in range(R)]
+    kv = [torch.randn(64, H, N, 2 * D) for _ in range(L)]
+
+    def run(batches):
+        caches = [c.clone() for c in kv]
+        layers = [(i, CpuPagedCache(c, "vec16", 1.0, 1.0, "auto")) for i, c in enumerate(caches)]
+        states = decode_batch(config, blocks, 0, "cpu")
+        compact_requests([(s, torch.tensor(s.prompt_block_ids), torch.tensor(s.fresh_blocks)) for s in states],
+                         layers, D ** -0.5)
+        next_point(states, blocks, 0, "cpu")
+        for state, more in zip(states, extra):  # blocks past the layout's: read rows of another length
+            state.prompt_block_ids = state.prompt_block_ids + list(range(60, 60 + more))
+        for batch in batches:
+            compact_requests([(states[r], torch.tensor(states[r].prompt_block_ids),
+                               torch.tensor(states[r].fresh_blocks)) for r in batch], layers, D ** -0.5)
+        return caches, states
+
+    alone, alone_states = run([[r] for r in range(R)])
+    together, states = run([list(range(R))])
+    assert not all(s.stock_layout for s in states)
+    for i in range(L):
+        assert torch.equal(together[i], alone[i]), i
+        for state, expected in zip(states, alone_states):
+            assert torch.equal(state.layers[i].page_counts, expected.layers[i].page_counts)
+            assert torch.equal(state.layers[i].kept, expected.layers[i].kept)

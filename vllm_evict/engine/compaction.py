@@ -376,9 +376,10 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     # head by head)
     written = torch.stack([blocks for _, _, blocks in requests])
     read = None if per_head else torch.stack([blocks for _, blocks, _ in requests])
-    if per_head:  # each request's blocks, a row each (held widths differ by request)
-        read = torch.nn.utils.rnn.pad_sequence([blocks.to(torch.int64) for _, blocks, _ in requests],
-                                               batch_first=True)
+    if per_head:  # each request's blocks, a row each, zero-padded where in-place points span different counts
+        rows = [blocks for _, blocks, _ in requests]
+        equal = len({len(row) for row in rows}) == 1  # a captured batch's always: one copy, not one a request
+        read = (torch.stack(rows) if equal else torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)).long()
     groups = layer_groups(layers, held * R, group_bytes)
     options = {**config.score_options(), "window": point.window, "sink": point.sink, "future_rotation": rotation}
     # Ada-KV under TP: the layout spans the blocks of the fullest rank over all layers, known once every
