@@ -373,13 +373,12 @@ def compact_requests(requests: list[tuple], layers: list[tuple[int, object]], sc
     if per_head and inputs is None:
         inputs = PerHeadInputs.of(states, layers[0][1].device)
     # one point geometry (batch_key): equal block counts, a row per request (per-head requests read theirs
-    # head by head)
+    # head by head, and their in-place points may span different counts: zero-padded rows then)
     written = torch.stack([blocks for _, _, blocks in requests])
-    read = None if per_head else torch.stack([blocks for _, blocks, _ in requests])
-    if per_head:  # each request's blocks, a row each, zero-padded where in-place points span different counts
-        rows = [blocks for _, blocks, _ in requests]
-        equal = len({len(row) for row in rows}) == 1  # a captured batch's always: one copy, not one a request
-        read = (torch.stack(rows) if equal else torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)).long()
+    rows = [blocks for _, blocks, _ in requests]
+    read = torch.stack(rows) if len({len(row) for row in rows}) == 1 else None  # one copy, not one a request
+    if per_head:
+        read = (torch.nn.utils.rnn.pad_sequence(rows, batch_first=True) if read is None else read).long()
     groups = layer_groups(layers, held * R, group_bytes)
     options = {**config.score_options(), "window": point.window, "sink": point.sink, "future_rotation": rotation}
     # Ada-KV under TP: the layout spans the blocks of the fullest rank over all layers, known once every
