@@ -21,9 +21,9 @@ launch grid of kernels A and B.
 
 --adakv-allocation: Ada-KV's page allocation at decode-point shapes (1, 6 and 15 requests x 32 layers of 8 KV
 heads, 64 pages of 16 tokens a head, held sets as at a second decode point: 32 to 96 pages a head and 128 tokens
-since, padded to the fullest head; DropKV's defaults): the one-launch
-kernel (kernels.adakv_pages) against the torch reference it replaces (policies.budget.adakv_pages, ~70
-launches), both on the sorted scores the engine passes, with their outputs compared.
+since, padded to the fullest head; DropKV's defaults): the one-launch kernel (kernels.adakv_pages) against the
+torch reference it replaces (policies.budget.adakv_pages, ~70 launches), both on the sorted scores the engine
+passes, with their outputs compared.
 """
 
 from __future__ import annotations
@@ -346,10 +346,6 @@ def decode_point(args, meta, ceil):
         json.dump(dict(meta=meta, ceilings=ceil, rows=rows), f, indent=1)
 
 
-if __name__ == "__main__":
-    main()
-
-
 def adakv_allocation(args, meta, ceil):
     from vllm_evict.kernels.adakv_pages import adakv_pages_fused
     from vllm_evict.policies import EvictionConfig
@@ -382,3 +378,7 @@ def adakv_allocation(args, meta, ceil):
               f"torch {row['torch_ms']:.4f} ms, equal {row['equal']}", flush=True)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, ceilings=ceil, adakv_allocation=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
