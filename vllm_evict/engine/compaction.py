@@ -36,8 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_evict.engine.per_head import head_pages, host_to_device, stacked_counts
+from vllm_evict.engine.per_head import held_slots, host_to_device, stacked_counts
 from vllm_evict.kernels.adakv_pages import adakv_pages_fused
+from vllm_evict.kernels.compaction_slots import compaction_slots_fused
 from vllm_evict.kernels.constants import device_ints
 from vllm_evict.policies import POLICIES, keep_mask, kept_counts, score_tokens
 from vllm_evict.policies.budget import adakv_pages
@@ -224,6 +225,8 @@ def compaction_slots(keep: torch.Tensor, page_counts: torch.Tensor, fresh_blocks
     of fresh_blocks [F], or [R, F] for R requests (the leading axis of keep).
 
     Slots address the per-head page view: slot = page * page_size + offset."""
+    if keep.is_cuda:  # one launch where this form issues ~20 kernels over int64 [..., H, E] tensors
+        return compaction_slots_fused(keep, page_counts, fresh_blocks, page_size, num_blocks)
     num_heads = keep.shape[-2]
     num_pages = fresh_blocks.shape[-1] if num_blocks is None else num_blocks
     counts = page_counts.unsqueeze(-1)
@@ -506,18 +509,14 @@ def _gather_heads(cache, group: list, row_blocks: torch.Tensor, inputs: PerHeadI
     group (zero past a head's count), and the counts [R, G, H]: the head's kept tokens at the last point,
     then the tokens since, in its pages (per_head.head_pages over the request's blocks, row_blocks [R, >= F]
     int64). One slot table for all requests and layers, one gather (the adapter's gather_held)."""
-    G, H, D, page, device = len(group), cache.num_heads, cache.stored_dim, cache.page_size, cache.device
+    G, H, D = len(group), cache.num_heads, cache.stored_dim
     R = row_blocks.shape[0]
     counts = group_layers(inputs.counts, group, 1)                                          # [R, G, H]
     held = group_layers(inputs.kept, group, 1) + inputs.since.view(R, 1, 1)
-    pages = head_pages(counts.permute(1, 2, 0), inputs.fresh, row_blocks, -(-n // page))   # [G, H, R, W]
-    col = torch.arange(n, device=device)
-    slots = pages.gather(-1, (col // page).expand(G, H, R, n)) * page + col % page          # [G, H, R, n]
-    slots = torch.where(col < held.permute(1, 2, 0).unsqueeze(-1), slots, -1)             # past a head's count
+    slots = held_slots(counts, held, inputs.fresh, row_blocks, n, cache.page_size)           # [R, G, n, H]
     keys, values = staging(n, R, G, cache)
     caches = [layer_cache for _, layer_cache in group] * R
-    cache.gather_held(caches, slots.permute(2, 0, 3, 1).reshape(R * G, n, H).contiguous(), keys.view(n, R * G, H, D),
-                      values.view(n, R * G, H, D))
+    cache.gather_held(caches, slots.view(R * G, n, H), keys.view(n, R * G, H, D), values.view(n, R * G, H, D))
     return keys, values, held
 
 

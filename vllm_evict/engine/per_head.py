@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_evict.kernels.constants import device_ints
+from vllm_evict.kernels.held_slots import held_slots_fused
 
 
 @dataclass
@@ -121,6 +122,22 @@ def head_pages(counts: torch.Tensor, fresh: torch.Tensor, row_blocks: torch.Tens
     block = torch.gather(row_blocks.expand(*block_col.shape[:-2], -1, -1), -1,
                          block_col.clamp(0, row_blocks.shape[1] - 1))
     return block * num_heads + slot
+
+
+def held_slots(counts: torch.Tensor, held: torch.Tensor, fresh: torch.Tensor, row_blocks: torch.Tensor, n: int,
+               page_size: int) -> torch.Tensor:
+    """Cache slots [R, G, n, H] (int64, -1 past a head's held count) of the first n tokens that each head of R
+    requests in per-head layout holds in G layers: its head_pages, token by token. counts [R, G, H] int64 pages
+    per head at the last point, held [R, G, H] int64 tokens the head holds, fresh [R] int64, row_blocks [R, Wb]
+    int64. One launch on CUDA (kernels/held_slots.py)."""
+    if counts.is_cuda:
+        return held_slots_fused(counts, held, fresh, row_blocks, n, page_size)
+    R, G, H = counts.shape
+    pages = head_pages(counts.permute(1, 2, 0), fresh, row_blocks, -(-n // page_size))   # [G, H, R, W]
+    col = torch.arange(n, device=counts.device)
+    slots = pages.gather(-1, (col // page_size).expand(G, H, R, n)) * page_size + col % page_size
+    slots = torch.where(col < held.permute(1, 2, 0).unsqueeze(-1), slots, -1)              # past a head's count
+    return slots.permute(2, 0, 3, 1).contiguous()
 
 
 def compacted_batch(plan, block_table: torch.Tensor, req: torch.Tensor, positions: torch.Tensor,
