@@ -24,6 +24,12 @@ heads, 64 pages of 16 tokens a head, held sets as at a second decode point: 32 t
 since, padded to the fullest head; DropKV's defaults): the one-launch kernel (kernels.adakv_pages) against the
 torch reference it replaces (policies.budget.adakv_pages, ~70 launches), both on the sorted scores the engine
 passes, with their outputs compared.
+
+--slot-tables: a decode-point compaction's slot tables at the same shapes (1, 6 and 15 requests x 32 layers x 8
+KV heads, 1,152 held tokens a head): the kept tokens' destinations (kernels.compaction_slots against the torch
+form engine.compaction.compaction_slots_torch; uniform, 1,024 kept a head over 64 fresh blocks) and the slots of
+what each head of an Ada-KV request holds (kernels.held_slots against engine.per_head.held_slots_torch; 32 to 96
+pages a head, 128 tokens since), outputs compared.
 """
 
 from __future__ import annotations
@@ -203,6 +209,8 @@ def main():
                     help="a decode-point batch's shape, token-major against head-major K/V, kernels A/B launch grid")
     ap.add_argument("--adakv-allocation", action="store_true",
                     help="Ada-KV's allocation kernel against its torch reference at decode-point shapes")
+    ap.add_argument("--slot-tables", action="store_true",
+                    help="a compaction's slot-table kernels against their torch forms at decode-point shapes")
     ap.add_argument("--sweep-b", action="store_true",
                     help="kernel B launch sweep of the default (bf16x3) dropkv at 32K and 128K only")
     args = ap.parse_args()
@@ -229,6 +237,8 @@ def main():
         return decode_point(args, meta, ceil)
     if args.adakv_allocation:
         return adakv_allocation(args, meta, ceil)
+    if args.slot_tables:
+        return slot_tables(args, meta, ceil)
     sizes = [4096, 16384, 131072] if args.quick else [4096, 8192, 16384, 32768, 65536, 131072]
     cases = [("dropkv", 8, None), ("snapkv", 32, None),
              ("dropkv", 8, ws.WindowScoreConfig(precision="ieee"))]
@@ -378,6 +388,45 @@ def adakv_allocation(args, meta, ceil):
               f"torch {row['torch_ms']:.4f} ms, equal {row['equal']}", flush=True)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, ceilings=ceil, adakv_allocation=rows), f, indent=1)
+
+
+def slot_tables(args, meta, ceil):
+    from vllm_evict.engine.compaction import compaction_slots_torch
+    from vllm_evict.engine.per_head import held_slots_torch
+    from vllm_evict.kernels.compaction_slots import compaction_slots_fused
+    from vllm_evict.kernels.held_slots import held_slots_fused
+
+    layers, heads, page_size, pages, since, held_width = 32, 8, 16, 64, 128, 1152
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for requests in (1, 6, 15):
+        # uniform: 1,024 of 1,152 held tokens kept a head, laid out over each request's 64 fresh blocks
+        order = torch.rand(requests, layers, heads, held_width, device="cuda", generator=gen).argsort(dim=-1)
+        keep = order < pages * page_size
+        counts = torch.full((requests, layers, heads), pages, dtype=torch.int64, device="cuda")
+        fresh = torch.randperm(100_000, device="cuda", generator=gen)[: requests * pages].view(requests, pages)
+        # the torch form's transposed result was copied contiguous for the write (the kernel writes it so)
+        destinations = (compaction_slots_fused, lambda *a: compaction_slots_torch(*a).contiguous(),
+                        (keep, counts, fresh, page_size))
+        # Ada-KV at its next point: 32 to 96 pages a head (512 a layer), its kept tokens, then 128 since
+        share = 0.5 + torch.rand(requests, layers, heads, device="cuda", generator=gen)
+        head_counts = (share / share.sum(dim=-1, keepdim=True) * pages * heads).round().to(torch.int64)
+        kept = head_counts * page_size - torch.randint(0, page_size, head_counts.shape, device="cuda", generator=gen)
+        held = kept + since
+        row_blocks = torch.randperm(100_000, device="cuda", generator=gen)[: requests * (pages + 16)]
+        spans = torch.full((requests,), pages, dtype=torch.int64, device="cuda")
+        held_args = (head_counts, held, spans, row_blocks.view(requests, -1).to(torch.int64), int(held.max()),
+                     page_size)
+        for name, (kernel, reference, inputs) in (("compaction_slots", destinations),
+                                                  ("held_slots", (held_slots_fused, held_slots_torch, held_args))):
+            row = dict(table=name, requests=requests, layers=layers, heads=heads, tokens=held_width,
+                       equal=bool(torch.equal(kernel(*inputs), reference(*inputs))),
+                       kernel_ms=_bench(lambda: kernel(*inputs)), torch_ms=_bench(lambda: reference(*inputs)))
+            rows.append(row)
+            print(f"{name} {requests:2d} requests: kernel {row['kernel_ms']:.4f} ms, torch {row['torch_ms']:.4f} ms, "
+                  f"equal {row['equal']}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, ceilings=ceil, slot_tables=rows), f, indent=1)
 
 
 if __name__ == "__main__":

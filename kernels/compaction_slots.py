@@ -1,5 +1,5 @@
 """Where each kept token goes in a compaction, in one launch: the kernel twin of
-`vllm_evict.engine.compaction.compaction_slots` (its torch form, the reference and the CPU path, which issues
+`vllm_evict.engine.compaction.compaction_slots_torch` (the reference and the CPU path, which issues
 about 20 kernels, each reading or writing an int64 tensor of every (row, head, token): at a 15-request decode
 point of an 8B model about 1 GB moved, where this kernel reads the masks and writes the slots once).
 

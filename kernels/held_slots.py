@@ -1,5 +1,5 @@
 """The cache slots of what each head of a per-head (Ada-KV) request holds, in one launch: the kernel twin of
-`vllm_evict.engine.per_head.held_slots` (its torch form, the reference and the CPU path: head_pages, a gather
+`vllm_evict.engine.per_head.held_slots_torch` (the reference and the CPU path: head_pages, a gather
 and a mask over int64 [G, H, R, n] tensors, then a transposing copy, about 25 kernels a layer group).
 
 Inputs (R requests, G layers, H heads, n tokens per head, Wb blocks a request's row):

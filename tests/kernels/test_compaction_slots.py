@@ -1,4 +1,4 @@
-"""kernels/compaction_slots.py against its torch form, vllm_evict.engine.compaction.compaction_slots on the CPU.
+"""kernels/compaction_slots.py against its torch form, vllm_evict.engine.compaction.compaction_slots_torch.
 
 Fresh random kept masks (empty heads, full heads, ragged), page counts that cover each head's kept tokens
 (and some spare pages), one request's fresh blocks [F] or R requests' [R, F] (int32 and int64), num_blocks
@@ -39,13 +39,13 @@ def random_case(gen: torch.Generator) -> dict:
 
 
 def check(device: str, seed: int) -> None:
-    from vllm_evict.engine.compaction import compaction_slots
+    from vllm_evict.engine.compaction import compaction_slots_torch
     from vllm_evict.kernels.compaction_slots import compaction_slots_fused
 
     gen = torch.Generator().manual_seed(seed)
     for case in range(10):
         args = random_case(gen)
-        expected = compaction_slots(**args)
+        expected = compaction_slots_torch(**args)
         on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
         got = compaction_slots_fused(**on_device)
         assert got.is_contiguous() and got.dtype == torch.int64

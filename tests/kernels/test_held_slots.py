@@ -1,4 +1,4 @@
-"""kernels/held_slots.py against its torch form, vllm_evict.engine.per_head.held_slots on the CPU.
+"""kernels/held_slots.py against its torch form, vllm_evict.engine.per_head.held_slots_torch.
 
 Fresh random per-head layouts: pages per head (none to many), spans F, tail blocks, held counts below,
 at and past what the pages and the gathered width n cover, counts and kept as layer-group views of [R, L, H]
@@ -48,13 +48,13 @@ def arguments(case: dict, device: str) -> dict:
 
 
 def check(device: str, seed: int) -> None:
-    from vllm_evict.engine.per_head import held_slots
+    from vllm_evict.engine.per_head import held_slots_torch
     from vllm_evict.kernels.held_slots import held_slots_fused
 
     gen = torch.Generator().manual_seed(seed)
     for case in range(10):
         args = random_case(gen)
-        expected = held_slots(**arguments(args, "cpu"))
+        expected = held_slots_torch(**arguments(args, "cpu"))
         got = held_slots_fused(**arguments(args, device))
         assert torch.equal(got.cpu(), expected), (
             f"seed {seed} case {case}: counts {tuple(args['counts'].shape)} group {args['first']}+{args['G']} "

@@ -224,9 +224,16 @@ def compaction_slots(keep: torch.Tensor, page_counts: torch.Tensor, fresh_blocks
     over the first `num_blocks` fresh blocks (default: all; a device scalar is read without a host sync)
     of fresh_blocks [F], or [R, F] for R requests (the leading axis of keep).
 
-    Slots address the per-head page view: slot = page * page_size + offset."""
-    if keep.is_cuda:  # one launch where this form issues ~20 kernels over int64 [..., H, E] tensors
+    Slots address the per-head page view: slot = page * page_size + offset. On CUDA one launch
+    (kernels/compaction_slots.py), where the torch form issues ~20 kernels over int64 [..., H, E] tensors."""
+    if keep.is_cuda:
         return compaction_slots_fused(keep, page_counts, fresh_blocks, page_size, num_blocks)
+    return compaction_slots_torch(keep, page_counts, fresh_blocks, page_size, num_blocks)
+
+
+def compaction_slots_torch(keep: torch.Tensor, page_counts: torch.Tensor, fresh_blocks: torch.Tensor,
+                           page_size: int, num_blocks: int | torch.Tensor | None = None) -> torch.Tensor:
+    """compaction_slots in torch: the CPU path and the kernel's reference (a transposed view [..., E, H])."""
     num_heads = keep.shape[-2]
     num_pages = fresh_blocks.shape[-1] if num_blocks is None else num_blocks
     counts = page_counts.unsqueeze(-1)

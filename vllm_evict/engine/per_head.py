@@ -132,6 +132,12 @@ def held_slots(counts: torch.Tensor, held: torch.Tensor, fresh: torch.Tensor, ro
     int64. One launch on CUDA (kernels/held_slots.py)."""
     if counts.is_cuda:
         return held_slots_fused(counts, held, fresh, row_blocks, n, page_size)
+    return held_slots_torch(counts, held, fresh, row_blocks, n, page_size)
+
+
+def held_slots_torch(counts: torch.Tensor, held: torch.Tensor, fresh: torch.Tensor, row_blocks: torch.Tensor, n: int,
+                     page_size: int) -> torch.Tensor:
+    """held_slots in torch: the CPU path and the kernel's reference."""
     R, G, H = counts.shape
     pages = head_pages(counts.permute(1, 2, 0), fresh, row_blocks, -(-n // page_size))   # [G, H, R, W]
     col = torch.arange(n, device=counts.device)
