@@ -356,6 +356,18 @@ def decode_point(args, meta, ceil):
         json.dump(dict(meta=meta, ceilings=ceil, rows=rows), f, indent=1)
 
 
+def against_reference(kernel, reference) -> dict:
+    """A kernel call and its torch reference (no arguments): outputs equal, and each one's median ms."""
+    return dict(equal=bool(torch.equal(kernel(), reference())), kernel_ms=_bench(kernel), torch_ms=_bench(reference))
+
+
+def second_point_pages(shape: tuple, pages: int, gen: torch.Generator) -> torch.Tensor:
+    """Pages per head [..., H] int64 as Ada-KV gives them at a first decode point of `pages` a head on average:
+    32 to 96 for 64, at most the layer's total."""
+    share = 0.5 + torch.rand(*shape, device="cuda", generator=gen)
+    return (share / share.mean(dim=-1, keepdim=True) * pages).floor().clamp(max=1.5 * pages).to(torch.int64)
+
+
 def adakv_allocation(args, meta, ceil):
     from vllm_evict.kernels.adakv_pages import adakv_pages_fused
     from vllm_evict.policies import EvictionConfig
@@ -367,22 +379,17 @@ def adakv_allocation(args, meta, ceil):
     rows = []
     for requests in (1, 6, 15):
         layers = 32 * requests
-        # held sets as at a second decode point: what Ada-KV gave each head at the first (64 pages a head on
-        # average, 32 to 96) and 128 tokens since; padded to the fullest head
-        share = 0.5 + torch.rand(layers, heads, device="cuda", generator=gen)
-        kept_pages = (share / share.mean(dim=-1, keepdim=True) * pages).floor().clamp(max=1.5 * pages)
-        lengths = kept_pages.to(torch.int64) * page_size + since
+        # held sets as at a second decode point: the pages Ada-KV gave each head at the first and 128 tokens
+        # since; padded to the fullest head
+        lengths = second_point_pages((layers, heads), pages, gen) * page_size + since
         n = int(lengths.max())
         scores = torch.randn(layers, heads, n, device="cuda", generator=gen)
         scores[torch.arange(n, device="cuda") >= lengths.unsqueeze(-1)] = float("-inf")
         ordered = scores.sort(dim=-1, descending=True, stable=True).values
         terms = dict(page_size=page_size, alpha=config.alpha, max_protected=config.protected_count(n), lengths=lengths)
-        fused = adakv_pages_fused(ordered, pages, **terms)
-        reference = adakv_pages(ordered, pages, sorted_scores=ordered, **terms)
-        row = dict(requests=requests, layers=layers, heads=heads, n=n, pages=pages,
-                   equal=bool(torch.equal(fused, reference)),
-                   kernel_ms=_bench(lambda: adakv_pages_fused(ordered, pages, **terms)),
-                   torch_ms=_bench(lambda: adakv_pages(ordered, pages, sorted_scores=ordered, **terms)))
+        row = dict(requests=requests, layers=layers, heads=heads, n=n, pages=pages, **against_reference(
+            lambda: adakv_pages_fused(ordered, pages, **terms),
+            lambda: adakv_pages(ordered, pages, sorted_scores=ordered, **terms)))
         rows.append(row)
         print(f"adakv allocation {requests:2d} requests ({layers} x {heads} x {n}): kernel {row['kernel_ms']:.4f} ms, "
               f"torch {row['torch_ms']:.4f} ms, equal {row['equal']}", flush=True)
@@ -408,9 +415,8 @@ def slot_tables(args, meta, ceil):
         # the torch form's transposed result was copied contiguous for the write (the kernel writes it so)
         destinations = (compaction_slots_fused, lambda *a: compaction_slots_torch(*a).contiguous(),
                         (keep, counts, fresh, page_size))
-        # Ada-KV at its next point: 32 to 96 pages a head (512 a layer), its kept tokens, then 128 since
-        share = 0.5 + torch.rand(requests, layers, heads, device="cuda", generator=gen)
-        head_counts = (share / share.sum(dim=-1, keepdim=True) * pages * heads).round().to(torch.int64)
+        # Ada-KV at its next point: the pages of its first, its kept tokens, then 128 since
+        head_counts = second_point_pages((requests, layers, heads), pages, gen)
         kept = head_counts * page_size - torch.randint(0, page_size, head_counts.shape, device="cuda", generator=gen)
         held = kept + since
         row_blocks = torch.randperm(100_000, device="cuda", generator=gen)[: requests * (pages + 16)]
@@ -420,8 +426,7 @@ def slot_tables(args, meta, ceil):
         for name, (kernel, reference, inputs) in (("compaction_slots", destinations),
                                                   ("held_slots", (held_slots_fused, held_slots_torch, held_args))):
             row = dict(table=name, requests=requests, layers=layers, heads=heads, tokens=held_width,
-                       equal=bool(torch.equal(kernel(*inputs), reference(*inputs))),
-                       kernel_ms=_bench(lambda: kernel(*inputs)), torch_ms=_bench(lambda: reference(*inputs)))
+                       **against_reference(lambda: kernel(*inputs), lambda: reference(*inputs)))
             rows.append(row)
             print(f"{name} {requests:2d} requests: kernel {row['kernel_ms']:.4f} ms, torch {row['torch_ms']:.4f} ms, "
                   f"equal {row['equal']}", flush=True)
