@@ -22,22 +22,28 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 20
 
 def stream_completion(server, results: list, index: int, max_tokens: int = 48, ended: list | None = None,
                       started: threading.Event | None = None) -> None:
-    """One streaming completion; appends (index, tokens received, finish reason or the error seen), and
-    its end time to `ended`; sets `started` at its first token (or at its end, whatever it was)."""
+    """One streaming completion; appends (index, tokens generated, finish reason or the error seen), and
+    its end time to `ended`; sets `started` at its first token (or at its end, whatever it was).
+
+    Tokens come from the final chunk's usage (0 without one): vLLM merges a request's deltas into one chunk
+    when the API process falls behind the engine (a starved machine), so chunks are not tokens."""
     import httpx
 
     tokens, finish = 0, None
     try:
         with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
                 "model": model_id(server), "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
-                "ignore_eos": True, "eviction": EVICTION}) as response:
+                "stream_options": {"include_usage": True}, "ignore_eos": True,
+                "eviction": EVICTION}) as response:
             for line in response.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     if started is not None:
                         started.set()
-                    choice = json.loads(line[6:])["choices"][0]
-                    tokens += 1 if choice.get("text") is not None else 0
-                    finish = choice.get("finish_reason") or finish
+                    chunk = json.loads(line[6:])
+                    for choice in chunk["choices"]:
+                        finish = choice.get("finish_reason") or finish
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
     except httpx.HTTPError as exc:
         finish = f"error: {type(exc).__name__}"
     results.append((index, tokens, finish))
