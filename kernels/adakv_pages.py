@@ -30,9 +30,11 @@ def _ordered_key(x):
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-# runtime integers vary from call to call (held widths, budgets): one compiled variant for all of them
+# runtime integers and the inputs' offsets (layer-group views) vary from call to call (held widths, budgets): one
+# compiled variant per head count and held-set mode, the one the engine's warm-up compiles
 @triton.jit(do_not_specialize=["n", "stride_row", "stride_head", "top", "num_per_f", "num_fixed", "den", "total",
-                               "page_size", "p_min_cap", "p_max_all", "units"])
+                               "page_size", "p_min_cap", "p_max_all", "units"],
+            do_not_specialize_on_alignment=["scores", "held"])
 def _adakv_pages_kernel(scores, held, out, n, stride_row, stride_head, top, num_per_f, num_fixed, den, total,
                         page_size, p_min_cap, p_max_all, units,
                         H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, RAGGED: tl.constexpr):
@@ -111,11 +113,11 @@ def adakv_pages_fused(sorted_scores: torch.Tensor, pages: int, *, page_size: int
     q = a.denominator
     held = sorted_scores if lengths is None else lengths.to(torch.int64).reshape(num_layers, h).contiguous()
     out = torch.empty(num_layers, h, dtype=torch.int64, device=sorted_scores.device)
-    block_h = triton.next_power_of_2(h)  # a tile of at most 4K scores: 32 a thread in registers
+    block_h = triton.next_power_of_2(h)  # a tile of 4K scores whatever n (32 a thread in registers): one variant
     _adakv_pages_kernel[(num_layers,)](
         sorted_scores, held, out, n, sorted_scores.stride(0), sorted_scores.stride(1),
         min(pages * h * page_size, h * n), (q - a.numerator) * h, a.numerator * h * page_size * pages,
         q * h * page_size, pages * h, page_size, p_min_cap, -(-n // page_size), units,
-        H=h, BLOCK_H=block_h, BLOCK_N=max(16, min(triton.next_power_of_2(n), 4096 // block_h)),
+        H=h, BLOCK_H=block_h, BLOCK_N=max(16, 4096 // block_h),
         RAGGED=lengths is not None)
     return out

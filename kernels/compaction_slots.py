@@ -26,10 +26,12 @@ import triton
 import triton.language as tl
 
 
-# runtime integers vary from call to call (held widths, pool sizes): one compiled variant for all of them.
-# Ranks and flat pages are int32 (a head's tokens and a request's pages are far below 2**31), so the divisions
-# by the pool's block count are 32-bit; page_size is a constant: a shift.
-@triton.jit(do_not_specialize=["E", "F", "num_pages", "rows_per_request", "stride_row", "stride_head"])
+# runtime integers and the inputs' offsets vary from call to call (held widths, pool sizes, views): one compiled
+# variant per head count, page size and block-count mode, the one the engine's warm-up compiles. Ranks and flat
+# pages are int32 (a head's tokens and a request's pages are far below 2**31), so the divisions by the pool's
+# block count are 32-bit; page_size is a constant: a shift.
+@triton.jit(do_not_specialize=["E", "F", "num_pages", "rows_per_request", "stride_row", "stride_head"],
+            do_not_specialize_on_alignment=["keep", "counts", "fresh", "num_blocks"])
 def _compaction_slots_kernel(keep, counts, fresh, num_blocks, out, E, F, num_pages, rows_per_request,
                              stride_row, stride_head, H: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_E: tl.constexpr, NUM_ON_DEVICE: tl.constexpr):
@@ -79,5 +81,5 @@ def compaction_slots_fused(keep: torch.Tensor, page_counts: torch.Tensor, fresh_
         keep, page_counts.reshape(rows, num_heads).contiguous(), fresh, num_blocks if on_device else fresh, out,
         E, fresh.shape[-1], fresh.shape[-1] if num_blocks is None or on_device else num_blocks, rows // requests,
         keep.stride(0), keep.stride(1), H=num_heads, PAGE=page_size, BLOCK_H=block_h,
-        BLOCK_E=max(16, min(triton.next_power_of_2(E), 2048 // block_h)), NUM_ON_DEVICE=on_device)
+        BLOCK_E=max(16, 2048 // block_h), NUM_ON_DEVICE=on_device)  # whatever E: no variant per length
     return out

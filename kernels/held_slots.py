@@ -23,10 +23,12 @@ import triton
 import triton.language as tl
 
 
-# runtime integers vary from call to call (held widths, batch sizes): one compiled variant for all of them.
-# Pages and their columns are int32 (a request's blocks are far below 2**31), page_size a constant: a shift.
+# runtime integers and the inputs' offsets (layer-group views, a row of the batch's scalars) vary from call to
+# call: one compiled variant per head count and page size, the one the engine's warm-up compiles. Pages and their
+# columns are int32 (a request's blocks are far below 2**31), page_size a constant: a shift.
 @triton.jit(do_not_specialize=["n", "G", "width", "counts_stride_r", "counts_stride_g", "held_stride_r",
-                               "held_stride_g", "blocks_stride"])
+                               "held_stride_g", "blocks_stride"],
+            do_not_specialize_on_alignment=["counts", "held", "fresh", "row_blocks"])
 def _held_slots_kernel(counts, held, fresh, row_blocks, out, n, G, width, counts_stride_r, counts_stride_g,
                        held_stride_r, held_stride_g, blocks_stride, H: tl.constexpr, PAGE: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -69,5 +71,5 @@ def held_slots_fused(counts: torch.Tensor, held: torch.Tensor, fresh: torch.Tens
     _held_slots_kernel[(R * G,)](
         counts, held, fresh, row_blocks, out, n, G, row_blocks.shape[1], counts.stride(0), counts.stride(1),
         held.stride(0), held.stride(1), row_blocks.stride(0), H=H, PAGE=page_size, BLOCK_H=block_h,
-        BLOCK_N=max(16, min(triton.next_power_of_2(n), 2048 // block_h)))
+        BLOCK_N=max(16, 2048 // block_h))  # a tile of at most 2K slots, whatever n: no variant per length
     return out

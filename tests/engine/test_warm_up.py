@@ -11,7 +11,9 @@ import torch
 from vllm_evict.policies import ALLOCATIONS, POLICIES
 
 
-def test_warm_up_compacts_every_policy_and_allocation():
+@pytest.mark.parametrize("requests, prompt_blocks", [(1, 16), (3, 7)])
+def test_warm_up_compacts_every_policy_and_allocation(requests, prompt_blocks):
+    """The engine's warm-up (one 16-block prompt), and batches of other lengths as the GPU test below runs."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from vllm_evict.engine.cpu_backend import CpuPagedCache
@@ -20,8 +22,8 @@ def test_warm_up_compacts_every_policy_and_allocation():
     num_kv, page = 2, 16
     isa = _get_attn_isa(torch.float32, page, 32)
     states = warm_up(lambda kv: CpuPagedCache(kv, isa, 1.0, 1.0, "auto"), torch.device("cpu"), 8, num_kv, 32,
-                     torch.float32, page)
-    check_compacted(states, num_kv, page)
+                     torch.float32, page, prompt_blocks=prompt_blocks, requests=requests)
+    check_compacted(states, num_kv, page, requests)
 
 
 # (query heads, KV heads, head_dim, page): Llama-3.1-8B; GPT-OSS-20B; Gemma-3-12B; Qwen3-Next-80B-A3B, whose
@@ -42,6 +44,30 @@ def test_warm_up_on_cuda_at_served_head_shapes(model):
                      torch.device("cuda"), num_q, num_kv, head_dim, torch.bfloat16, page,
                      query_dtype("auto", torch.bfloat16))
     check_compacted(states, num_kv, page)
+
+
+@pytest.mark.gpu
+def test_nothing_compiles_after_the_warm_up():
+    """After the engine-start warm-up, batches of decode points at other lengths and batch sizes (2 and 15
+    requests of 72 blocks, the reasoning shape's points) compile no Triton kernel: no request pays a compile."""
+    import triton
+
+    from vllm_evict.engine.cuda_backend import CudaPagedCache, query_dtype
+    from vllm_evict.engine.warm_up import warm_up
+
+    num_q, num_kv, head_dim, page = SERVED_SHAPES["llama-3.1-8b"]
+    one = torch.ones((), dtype=torch.float32, device="cuda")
+    shape = (lambda kv: CudaPagedCache(kv, head_dim, "auto", one, one, one, torch.bfloat16), torch.device("cuda"),
+             num_q, num_kv, head_dim, torch.bfloat16, page, query_dtype("auto", torch.bfloat16))
+    warm_up(*shape)
+    compiled = []
+    triton.knobs.runtime.jit_post_compile_hook = lambda **info: compiled.append(info["repr"])
+    try:
+        for requests in (2, 15):
+            check_compacted(warm_up(*shape, prompt_blocks=72, requests=requests), num_kv, page, requests)
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+    assert not compiled, "compiled after the warm-up:\n" + "\n".join(compiled)
 
 
 @pytest.mark.gpu
@@ -71,8 +97,9 @@ def test_warm_up_on_cuda_turboquant_caches(cache_dtype):
     check_compacted(states, num_kv, page)
 
 
-def check_compacted(states, num_kv: int, page: int) -> None:
-    assert len(states) == len(POLICIES) * len(ALLOCATIONS) and {s.spec.config.policy for s in states} == set(POLICIES)
+def check_compacted(states, num_kv: int, page: int, requests: int = 1) -> None:
+    assert len(states) == requests * len(POLICIES) * len(ALLOCATIONS)
+    assert {s.spec.config.policy for s in states} == set(POLICIES)
     assert any(s.spec.config.allocation == "adakv" for s in states)
     for state in states:
         assert sorted(state.layers) == [0, 1]

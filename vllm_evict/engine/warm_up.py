@@ -9,6 +9,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.utils.torch_utils import is_quantized_kv_cache
 
+from vllm_evict.engine.compaction import batch_key
 from vllm_evict.engine.request_config import RequestEviction
 from vllm_evict.engine.request_state import WorkerEviction, kept_most
 from vllm_evict.engine.worker import compact_one
@@ -75,22 +76,23 @@ def scratch_cache(cache_dtype: str, num_blocks: int, num_kv_heads: int, page: in
 
 
 def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: int, head_dim: int,
-            dtype: torch.dtype, page: int, q_dtype: torch.dtype | None = None, cache_dtype: str = "auto"
-            ) -> list[WorkerEviction]:
-    """Run the engine's compaction path (compact_one) for every policy and allocation once on a short
-    prompt in two scratch layers of this head shape (make_cache: the backend's paged-cache adapter of a
-    layer's cache as vLLM lays it out for `cache_dtype`, model dtype `dtype`), so that every kernel is
-    compiled with the argument types the engine passes (none specialises on the prompt length or the layer
-    count); window queries of `q_dtype` (default: dtype). Ada-KV states then compact again in place at a
-    decode point, the path that scores uneven heads. Returns the compacted states."""
+            dtype: torch.dtype, page: int, q_dtype: torch.dtype | None = None, cache_dtype: str = "auto",
+            prompt_blocks: int = 16, requests: int = 1) -> list[WorkerEviction]:
+    """Run the engine's compaction path (compact_one) for every policy and allocation once on `requests` prompts
+    of `prompt_blocks` pages compacted together, in two scratch layers of this head shape (make_cache: the
+    backend's paged-cache adapter of a layer's cache as vLLM lays it out for `cache_dtype`, model dtype `dtype`),
+    so that every kernel is compiled with the argument types the engine passes (none specialises on a length,
+    a batch size, the layer count or a view's offset: tests/kernels/test_compiled_variants.py); window queries
+    of `q_dtype` (default: dtype). Ada-KV states then compact again in place at a decode point, the path that
+    scores uneven heads. Returns the compacted states."""
     from vllm_evict.policies import ALLOCATIONS, POLICIES
     from vllm_evict.policies.config import EvictionConfig
 
     gen = torch.Generator(device=device).manual_seed(0)
-    n, num_blocks = 16 * page, 32  # 16 prompt blocks and room for as many fresh ones (P <= 16)
+    n, span = prompt_blocks * page, 2 * prompt_blocks  # a request's prompt blocks and as many fresh ones (P < span/2)
 
-    layers = [(i, make_cache(scratch_cache(cache_dtype, num_blocks, num_kv_heads, page, head_dim, dtype, device,
-                                           gen))) for i in range(2)]
+    layers = [(i, make_cache(scratch_cache(cache_dtype, span * requests, num_kv_heads, page, head_dim, dtype,
+                                           device, gen))) for i in range(2)]
     states = []
     for policy in POLICIES:
         for allocation in ALLOCATIONS:
@@ -98,19 +100,27 @@ def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: in
             again = config.allocation == "adakv"
             spec = RequestEviction(config, decode_budget=4 * page if again else None, decode_every=page)
             window, pages = config.window_size(), config.num_pages(n, page)
-            state = WorkerEviction.for_prompt("warm-up", spec, n, page, prompt_block_ids=list(range(16)),
-                                              fresh_blocks=list(range(16, 16 + pages)))
+            batch = [WorkerEviction.for_prompt(f"warm-up-{r}", spec, n, page,
+                                               prompt_block_ids=list(range(r * span, r * span + prompt_blocks)),
+                                               fresh_blocks=list(range(r * span + prompt_blocks,
+                                                                       r * span + prompt_blocks + pages)))
+                     for r in range(requests)]
             for _ in range(2 if again else 1):
                 if window:
-                    state.q_window = torch.randn(len(layers), window, num_q_heads, head_dim, generator=gen,
-                                                 device=device).to(q_dtype or dtype)
-                compact_one([state], layers, head_dim ** -0.5)
+                    for state in batch:
+                        state.q_window = torch.randn(len(layers), window, num_q_heads, head_dim, generator=gen,
+                                                     device=device).to(q_dtype or dtype)
+                # together, as the engine batches requests of one batch key (alone: the policies that have none)
+                for together in [batch] if batch_key(batch[0]) is not None else [[state] for state in batch]:
+                    compact_one(together, layers, head_dim ** -0.5)
                 if again:  # next: the decode point one page later, in place over the layout and that page
-                    kept_most([state])
-                    state.advance()
-                    state.prompt_block_ids = list(range(16, 17 + pages))
-                    state.fresh_blocks = list(range(16, 16 + -(-state.point.kept // page)))
-            states.append(state)
+                    kept_most(batch)
+                    for state in batch:
+                        state.advance()
+                        first = state.fresh_blocks[0]
+                        state.prompt_block_ids = list(range(first, first + pages + 1))
+                        state.fresh_blocks = list(range(first, first + -(-state.point.kept // page)))
+            states.extend(batch)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return states
