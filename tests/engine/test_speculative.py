@@ -3,7 +3,9 @@ draft tokens that the target may reject, so the step that would reach a decode p
 and a step of one verified token reaches it (DESIGN.md §4.8 g). Greedy speculation is lossless, so every
 request's tokens equal the reference's replay of the same points as without speculation: one-shot,
 block-wise and decode-budget requests, uniform and Ada-KV, in one batch with a plain request, while the
-drafter proposes tokens the target both accepts and rejects. One engine for the module."""
+drafter proposes tokens the target both accepts and rejects. Also with vLLM's dynamic speculation
+(`num_speculative_tokens_per_batch_size`: fewer or no drafts at larger batches, where eviction runs them),
+whose draft count changes as the batch's requests finish. One engine for each."""
 
 from __future__ import annotations
 
@@ -25,9 +27,14 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama):
-    speculation = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+# 4 drafts a step at batches of 1-2, none at 3-4, 2 at 5 and more: the test's 6 requests pass through all three
+DYNAMIC = {**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 2, 4], [3, 4, 0], [5, 1024, 2]]}
+
+
+@pytest.fixture(scope="module", params=[NGRAM, DYNAMIC], ids=["fixed", "dynamic"])
+def engine(tiny_llama, request):
+    speculation = request.param
     with inprocess_llm(tiny_llama, block_size=PAGE, max_model_len=1280, max_num_batched_tokens=256,
                        speculative_config=speculation, disable_log_stats=False) as llm:
         yield llm
@@ -44,7 +51,26 @@ def test_eviction_with_speculative_decoding_follows_the_reference(engine, refere
     prompt = (random_prompt(7, 40) * 6)[:230]  # repeated text: the n-gram drafter finds matches
     before = spec_counters(engine)
     requests = [None, *CASES]
-    outputs = engine.generate([{"prompt_token_ids": prompt}] * len(requests), [params(c, MAX_TOKENS) for c in requests])
+    scheduler = scheduler_of(engine)
+    drafts_per_step = []  # (requests, drafts a request) of every step that scheduled some
+
+    def schedule(*args, **kwargs):
+        output = type(scheduler).schedule(scheduler, *args, **kwargs)
+        if output.num_scheduled_tokens:
+            drafts_per_step.append((len(output.num_scheduled_tokens), output.num_spec_tokens_to_schedule))
+        return output
+
+    scheduler.schedule = schedule
+    try:
+        outputs = engine.generate([{"prompt_token_ids": prompt}] * len(requests),
+                                  [params(c, MAX_TOKENS) for c in requests])
+    finally:
+        del scheduler.schedule
+    schedule_of = engine.llm_engine.vllm_config.speculative_config.num_speculative_tokens_per_batch_size
+    expected = {n: next((k for lo, hi, k in schedule_of or [] if lo <= n <= hi), 4) for n, _ in drafts_per_step}
+    assert all(k == expected[n] for n, k in drafts_per_step), sorted(set(drafts_per_step))
+    if schedule_of:  # the batch passed through steps with drafts and without
+        assert {0, 2} <= {k for _, k in drafts_per_step}, sorted(set(drafts_per_step))
     after = spec_counters(engine)
     drafted = after["vllm:spec_decode_num_draft_tokens"] - before.get("vllm:spec_decode_num_draft_tokens", 0)
     accepted = after["vllm:spec_decode_num_accepted_tokens"] - before.get("vllm:spec_decode_num_accepted_tokens", 0)

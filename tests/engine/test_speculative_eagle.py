@@ -2,7 +2,8 @@
 attention layer in the target's KV cache group, so compaction frees its blocks with the target's: its cache
 keeps, head by head, the tokens the last target layer keeps, compacted after the drafter has written the
 step's tokens, and the drafter's later steps write at the compacted rows' shifted slots (DESIGN.md §4.8 g).
-Greedy speculation is lossless, so target tokens equal the reference's. One engine for the module."""
+Greedy speculation is lossless, so target tokens equal the reference's. One engine with 3 drafts a step, one with
+vLLM's dynamic speculation (3, none or 1 a step by the batch's size, as the requests are admitted)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama):
+@pytest.fixture(scope="module", params=[None, [[1, 2, 3], [3, 3, 0], [4, 1024, 1]]], ids=["fixed", "dynamic"])
+def engine(tiny_llama, request):
     from vllm_evict.testing.tiny_models import tiny_eagle_draft
 
     speculation = {"method": "eagle", "model": str(tiny_eagle_draft(tiny_llama)), "num_speculative_tokens": 3,
-                   "draft_load_config": {"load_format": "dummy"}}
+                   "draft_load_config": {"load_format": "dummy"},
+                   **({"num_speculative_tokens_per_batch_size": request.param} if request.param else {})}
     with inprocess_llm(tiny_llama, block_size=PAGE, max_model_len=1280, max_num_batched_tokens=256,
                        speculative_config=speculation) as llm:
         yield llm
