@@ -60,13 +60,13 @@ def test_nothing_compiles_after_the_warm_up():
     shape = (lambda kv: CudaPagedCache(kv, head_dim, "auto", one, one, one, torch.bfloat16), torch.device("cuda"),
              num_q, num_kv, head_dim, torch.bfloat16, page, query_dtype("auto", torch.bfloat16))
     warm_up(*shape)
-    compiled = []
+    compiled, hook = [], triton.knobs.runtime.jit_post_compile_hook
     triton.knobs.runtime.jit_post_compile_hook = lambda **info: compiled.append(info["repr"])
     try:
         for requests in (2, 15):
             check_compacted(warm_up(*shape, prompt_blocks=72, requests=requests), num_kv, page, requests)
     finally:
-        triton.knobs.runtime.jit_post_compile_hook = None
+        triton.knobs.runtime.jit_post_compile_hook = hook
     assert not compiled, "compiled after the warm-up:\n" + "\n".join(compiled)
 
 

@@ -1,7 +1,8 @@
 """The kernels a decode point launches compile one variant per model: what the engine-start warm-up compiles
 (engine/warm_up.py) is all a served request runs. Triton compiles a kernel again for each new value of a
 constexpr and, unless told not to, for each integer that is 1 or a multiple of 16 and each pointer that is or
-is not 16-byte aligned; a compile inside a served step costs 0.3-1.5 s on an H100.
+is not 16-byte aligned; a compile inside a served step holds its whole batch (docs/BENCHMARKS.md: Ada-KV's first
+decode points on an H100).
 
 Random calls as the engine makes them (the kernel tests' cases: lengths, batch sizes, layer-group views and
 rows of the batch's scalars) run in the Triton interpreter (subprocess), and every launch is specialised
@@ -56,6 +57,7 @@ def adakv_pages_calls(gen: torch.Generator):
 
 
 def compaction_slots_calls(gen: torch.Generator):
+    """The kept tokens' destinations: requests, layers, token counts and pool sizes vary."""
     from tests.kernels.test_compaction_slots import random_case
     from vllm_evict.kernels.compaction_slots import compaction_slots_fused
 
@@ -66,6 +68,7 @@ def compaction_slots_calls(gen: torch.Generator):
 
 
 def held_slots_calls(gen: torch.Generator):
+    """The held tokens' slots: requests, layer groups (views) and widths vary."""
     from tests.kernels.test_held_slots import arguments, random_case
     from vllm_evict.kernels.held_slots import held_slots_fused
 
