@@ -989,24 +989,14 @@ PLANS = {
     # the reasoning shape's physical limits alone (vanilla's step times, without vanilla's own 4K-token run):
     # the reference of a lease too short for both (H100 ~130 s)
     "reasoning-1k-4k-limit": [("vanilla", "limit", REASONING_ARGS + REASONING_LIMIT, 240)],
-    # the same with n-gram speculation in both engines (DropKV at K_d 1024 only)
-    "reasoning-1k-4k-1024-ngram": [
-        ("vanilla", "decode", REASONING_ARGS + NGRAM, 300),
-        ("evict", "decode", REASONING_ARGS + NGRAM + _decode_configs({"policy": "dropkv", "decode_budget": 1024}),
-         240)],
-    # the same with an EAGLE draft model and synthetic acceptance in both engines (GPU only)
-    "reasoning-1k-4k-1024-eagle": [
-        ("vanilla", "decode", REASONING_ARGS + EAGLE, 300),
-        ("evict", "decode", REASONING_ARGS + EAGLE + _decode_configs({"policy": "dropkv", "decode_budget": 1024}),
-         240)],
-    "reasoning-1k-4k-1024-eagle-2": [
-        ("vanilla", "decode", REASONING_ARGS + EAGLE_TWO, 300),
-        ("evict", "decode", REASONING_ARGS + EAGLE_TWO + _decode_configs({"policy": "dropkv", "decode_budget": 1024}),
-         240)],
-    "reasoning-1k-4k-1024-eagle-by-batch": [
-        ("vanilla", "decode", REASONING_ARGS + EAGLE_BY_BATCH, 300),
-        ("evict", "decode", REASONING_ARGS + EAGLE_BY_BATCH
-         + _decode_configs({"policy": "dropkv", "decode_budget": 1024}), 240)],
+    # the same with speculation in both engines, DropKV at K_d 1024 only: vLLM's n-gram drafter, and an EAGLE draft
+    # model with synthetic acceptance (GPU only) of 3 drafts, 2 drafts, or 3 by batch size
+    **{f"reasoning-1k-4k-1024-{name}": [
+        ("vanilla", "decode", REASONING_ARGS + speculation, 300),
+        ("evict", "decode", REASONING_ARGS + speculation + _decode_configs({"policy": "dropkv", "decode_budget": 1024}),
+         240)]
+       for name, speculation in (("ngram", NGRAM), ("eagle", EAGLE), ("eagle-2", EAGLE_TWO),
+                                 ("eagle-by-batch", EAGLE_BY_BATCH))},
     # memory-bounded prefill on a pool capped at 64K tokens: vanilla against no / one-shot / block-wise KeyDiff
     # at 16K tokens per head, one request at a time (peak blocks, prefill time, longest servable prompt)
     "blockwise-memory-64k-pool": [
