@@ -9,6 +9,8 @@ whose draft count changes as the batch's requests finish. One engine for each.""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from tests.engine.inprocess import inprocess_llm
@@ -40,6 +42,35 @@ def engine(tiny_llama, request):
         yield llm
 
 
+@contextlib.contextmanager
+def drafts_per_step(llm):
+    """Records (requests, drafts a request) of every step the engine's scheduler schedules tokens in."""
+    scheduler = scheduler_of(llm)
+    steps = []
+
+    def schedule(*args, **kwargs):
+        output = type(scheduler).schedule(scheduler, *args, **kwargs)
+        if output.num_scheduled_tokens:
+            steps.append((len(output.num_scheduled_tokens), output.num_spec_tokens_to_schedule))
+        return output
+
+    scheduler.schedule = schedule
+    try:
+        yield steps
+    finally:
+        del scheduler.schedule
+
+
+def check_draft_schedule(llm, steps: list[tuple[int, int]], configured: int, dynamic_counts: set[int]) -> None:
+    """Every step drafted as the engine's dynamic schedule says for its batch size (`configured` drafts where no
+    range of it covers the batch, or without one), and a dynamic schedule's run passed through dynamic_counts."""
+    schedule_of = llm.llm_engine.vllm_config.speculative_config.num_speculative_tokens_per_batch_size
+    expected = {n: next((k for lo, hi, k in schedule_of or [] if lo <= n <= hi), configured) for n, _ in steps}
+    assert all(k == expected[n] for n, k in steps), sorted(set(steps))
+    if schedule_of:  # the batch passed through steps with drafts and without
+        assert dynamic_counts <= {k for _, k in steps}, sorted(set(steps))
+
+
 def spec_counters(engine) -> dict[str, float]:
     return {m.name: m.value for m in engine.get_metrics()
             if m.name in ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")}
@@ -51,26 +82,10 @@ def test_eviction_with_speculative_decoding_follows_the_reference(engine, refere
     prompt = (random_prompt(7, 40) * 6)[:230]  # repeated text: the n-gram drafter finds matches
     before = spec_counters(engine)
     requests = [None, *CASES]
-    scheduler = scheduler_of(engine)
-    drafts_per_step = []  # (requests, drafts a request) of every step that scheduled some
-
-    def schedule(*args, **kwargs):
-        output = type(scheduler).schedule(scheduler, *args, **kwargs)
-        if output.num_scheduled_tokens:
-            drafts_per_step.append((len(output.num_scheduled_tokens), output.num_spec_tokens_to_schedule))
-        return output
-
-    scheduler.schedule = schedule
-    try:
+    with drafts_per_step(engine) as steps:
         outputs = engine.generate([{"prompt_token_ids": prompt}] * len(requests),
                                   [params(c, MAX_TOKENS) for c in requests])
-    finally:
-        del scheduler.schedule
-    schedule_of = engine.llm_engine.vllm_config.speculative_config.num_speculative_tokens_per_batch_size
-    expected = {n: next((k for lo, hi, k in schedule_of or [] if lo <= n <= hi), 4) for n, _ in drafts_per_step}
-    assert all(k == expected[n] for n, k in drafts_per_step), sorted(set(drafts_per_step))
-    if schedule_of:  # the batch passed through steps with drafts and without
-        assert {0, 2} <= {k for _, k in drafts_per_step}, sorted(set(drafts_per_step))
+    check_draft_schedule(engine, steps, configured=4, dynamic_counts={0, 2})
     after = spec_counters(engine)
     drafted = after["vllm:spec_decode_num_draft_tokens"] - before.get("vllm:spec_decode_num_draft_tokens", 0)
     accepted = after["vllm:spec_decode_num_accepted_tokens"] - before.get("vllm:spec_decode_num_accepted_tokens", 0)

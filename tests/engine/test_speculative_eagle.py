@@ -12,6 +12,7 @@ import torch
 
 from tests.engine.inprocess import inprocess_llm
 from tests.engine.test_eviction import check_against_reference, params, random_prompt, scheduler_of
+from tests.engine.test_speculative import check_draft_schedule, drafts_per_step
 
 pytestmark = pytest.mark.engine
 
@@ -60,7 +61,9 @@ def test_tokens_follow_the_reference(engine, reference):
 
     prompt = random_prompt(11, 230)
     requests = [None, *CASES]
-    outputs = engine.generate([{"prompt_token_ids": prompt}] * len(requests), [params(c, 100) for c in requests])
+    with drafts_per_step(engine) as steps:  # one prompt admitted a step: batches of 1 to 4
+        outputs = engine.generate([{"prompt_token_ids": prompt}] * len(requests), [params(c, 100) for c in requests])
+    check_draft_schedule(engine, steps, configured=3, dynamic_counts={0, 1, 3})
     check_against_reference(outputs[0], reference.generate(prompt, 100), "no eviction")
     for case, out in zip(CASES, outputs[1:]):
         expected = reference.replay(prompt, 100, parse_request({"vllm_evict": case}), page_size=PAGE)
