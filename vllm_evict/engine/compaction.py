@@ -326,6 +326,11 @@ class PerHeadInputs:
         self.scalars.view(-1).copy_(values, non_blocking=True)
 
 
+def token_head_bytes(layers: list[tuple[int, object]]) -> int:
+    """The largest of the layers' gathered bytes per token and head (layouts may differ between layers)."""
+    return max(cache.gathered_bytes for _, cache in layers)
+
+
 def compaction_batches(states: list, num_layers: int, num_heads: int, token_head_bytes: int,
                        group_bytes: int = GROUP_BYTES) -> list[list]:
     """The requests of one step, in batches for compact_requests: equal batch keys, at most as many as fit

@@ -9,7 +9,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.utils.torch_utils import is_quantized_kv_cache
 
-from vllm_evict.engine.compaction import compaction_batches
+from vllm_evict.engine.compaction import compaction_batches, token_head_bytes
 from vllm_evict.engine.request_config import RequestEviction
 from vllm_evict.engine.request_state import WorkerEviction, kept_most
 from vllm_evict.engine.worker import compact_one
@@ -93,7 +93,6 @@ def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: in
 
     layers = [(i, make_cache(scratch_cache(cache_dtype, span * requests, num_kv_heads, page, head_dim, dtype,
                                            device, gen))) for i in range(2)]
-    token_head_bytes = max(cache.gathered_bytes for _, cache in layers)
     states = []
     for policy in POLICIES:
         for allocation in ALLOCATIONS:
@@ -111,7 +110,8 @@ def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: in
                     for state in batch:
                         state.q_window = torch.randn(len(layers), window, num_q_heads, head_dim, generator=gen,
                                                      device=device).to(q_dtype or dtype)
-                for together in compaction_batches(batch, len(layers), num_kv_heads, token_head_bytes):  # as the engine
+                # as the engine batches them
+                for together in compaction_batches(batch, len(layers), num_kv_heads, token_head_bytes(layers)):
                     compact_one(together, layers, head_dim ** -0.5)
                 if again:  # next: the decode point one page later, in place over the layout and that page
                     kept_most(batch)

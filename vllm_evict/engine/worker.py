@@ -13,7 +13,8 @@ from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 
-from vllm_evict.engine.compaction import GROUP_BYTES, KVHeadGroup, compact_requests, compaction_batches, group_bytes
+from vllm_evict.engine.compaction import (GROUP_BYTES, KVHeadGroup, compact_requests, compaction_batches,
+                                          group_bytes, token_head_bytes)
 from vllm_evict.engine.compaction_graphs import CompactionGraphs, graphs_allowed
 from vllm_evict.engine.request_config import PLAN_KEY, parse_request
 from vllm_evict.engine.request_state import HostCopy, WorkerEviction, kept_most
@@ -369,8 +370,7 @@ class WorkerEvictionState:
             self.rotation = future_rotation(runner.get_model(), impls[0].layer_name, layers[0][1].device)
             cache = layers[0][1]
             self.num_kv_heads = cache.num_heads
-            # the largest of a layer's gathered bytes per token and head (layouts may differ between layers)
-            self.token_head_bytes = max(layer_cache.gathered_bytes for _, layer_cache in layers)
+            self.token_head_bytes = token_head_bytes(layers)
             self.num_sms = (torch.cuda.get_device_properties(cache.device).multi_processor_count
                             if cache.device.type == "cuda" else 0)
             from vllm.config import CUDAGraphMode
