@@ -7,6 +7,7 @@ import pytest
 import torch
 
 ops = pytest.importorskip("vllm._custom_ops")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU vLLM's cache and attention ops")
 
 from vllm_evict.engine import compaction  # noqa: E402
 from vllm_evict.engine.compaction import LayerCompaction, compaction_slots, select_group  # noqa: E402

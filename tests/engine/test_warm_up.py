@@ -11,6 +11,7 @@ import torch
 from vllm_evict.policies import ALLOCATIONS, POLICIES
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU vLLM's cache ops; on CUDA the tests below run")
 @pytest.mark.parametrize("requests, prompt_blocks", [(1, 16), (3, 7)])
 def test_warm_up_compacts_every_policy_and_allocation(requests, prompt_blocks):
     """The engine's warm-up (one 16-block prompt), and batches of other lengths as the GPU test below runs."""
