@@ -86,6 +86,8 @@ def make_engine(args):
         if args.kv_cache_memory_bytes is not None:  # a capped KV pool
             kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
         kwargs["kv_cache_dtype"] = args.kv_cache_dtype
+        if args.max_cudagraph_capture_size is not None:
+            kwargs["compilation_config"] = {"max_cudagraph_capture_size": args.max_cudagraph_capture_size}
     else:  # CPU smoke run of the script itself (tests/bench): tiny random Llama, fp32
         from vllm_evict.testing.tiny_models import ensure_tiny_model
 
@@ -852,6 +854,9 @@ EAGLE_TWO = ["--speculative-config", json.dumps({**json.loads(EAGLE[1]), "num_sp
 # request through an 8B model costs more than the 2.5 it accepts gain (docs/BENCHMARKS.md)
 EAGLE_BY_BATCH = ["--speculative-config", json.dumps({**json.loads(EAGLE[1]), "num_speculative_tokens_per_batch_size":
                                                       [[1, 128, 3], [129, 1024, 0]]})]
+# CUDA graphs up to 1,024 tokens (vLLM's default stops at 512): a step of 256 requests with 3 drafts each
+# verifies 1,024 tokens, beyond the default, and runs without graphs in both engines
+GRAPHS_1024 = ["--max-cudagraph-capture-size", "1024"]
 BLOCKWISE_POOL = ["--kv-cache-memory-bytes", str(8 << 30), "--memory-lengths", "32768", "65000", "131000"]
 
 
@@ -990,13 +995,14 @@ PLANS = {
     # the reference of a lease too short for both (H100 ~130 s)
     "reasoning-1k-4k-limit": [("vanilla", "limit", REASONING_ARGS + REASONING_LIMIT, 240)],
     # the same with speculation in both engines, DropKV at K_d 1024 only: vLLM's n-gram drafter, and an EAGLE draft
-    # model with synthetic acceptance (GPU only) of 3 drafts, 2 drafts, or 3 by batch size
+    # model with synthetic acceptance (GPU only) of 3 drafts, 2 drafts, 3 by batch size, or 3 with CUDA graphs up
+    # to 1,024 tokens
     **{f"reasoning-1k-4k-1024-{name}": [
         ("vanilla", "decode", REASONING_ARGS + speculation, 300),
         ("evict", "decode", REASONING_ARGS + speculation + _decode_configs({"policy": "dropkv", "decode_budget": 1024}),
          240)]
        for name, speculation in (("ngram", NGRAM), ("eagle", EAGLE), ("eagle-2", EAGLE_TWO),
-                                 ("eagle-by-batch", EAGLE_BY_BATCH))},
+                                 ("eagle-by-batch", EAGLE_BY_BATCH), ("eagle-graphs", EAGLE + GRAPHS_1024))},
     # memory-bounded prefill on a pool capped at 64K tokens: vanilla against no / one-shot / block-wise KeyDiff
     # at 16K tokens per head, one request at a time (peak blocks, prefill time, longest servable prompt)
     "blockwise-memory-64k-pool": [
@@ -1230,6 +1236,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's executor of the workers when there are several (ray: GPU only)")
     o.add_argument("--speculative-config", type=json.loads, default=None,
                    help="vLLM's speculative_config as JSON, e.g. '{\"method\": \"ngram\", ...}'")
+    o.add_argument("--max-cudagraph-capture-size", type=int, default=None,
+                   help="GPU: vLLM's compilation_config.max_cudagraph_capture_size (tokens; vLLM's default 512), "
+                        "so that speculative steps of many requests (requests x (drafts + 1) tokens) replay graphs")
     o.add_argument("--kv-cache-dtype", default="auto",
                    help="GPU: vLLM's --kv-cache-dtype (auto, fp8, int8_per_token_head, ...)")
     o.add_argument("--kv-cache-memory-bytes", type=int, default=None,

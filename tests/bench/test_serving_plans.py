@@ -93,6 +93,19 @@ def test_plans_as_documented(serving):
                                                   *evict_args])
         assert args.allocation.split(",") == ["uniform", "adakv"] and args.policy == policy
         assert evict_args[: len(vanilla_args)] == vanilla_args and "8192:2048:86" in vanilla_args
+    # speculation: both engines run the same drafter (and graph sizes); the evicting one adds its decode budget
+    parser = serving.build_parser()
+    for name in ("ngram", "eagle", "eagle-2", "eagle-by-batch", "eagle-graphs"):
+        (_, _, vanilla_args, _), (_, _, evict_args, _) = plans[f"reasoning-1k-4k-1024-{name}"]
+        vanilla, evict = (parser.parse_args(["one", "--engine", "evict", "--suite", "decode", "--out", "x", *extra])
+                          for extra in (vanilla_args, evict_args))
+        assert vanilla.speculative_config == evict.speculative_config is not None, name
+        assert vanilla.max_cudagraph_capture_size == evict.max_cudagraph_capture_size, name
+        assert evict_args[: len(vanilla_args)] == vanilla_args, name
+    drafts = lambda name: plans[name][0][2][plans[name][0][2].index("--speculative-config") + 1]
+    assert json.loads(drafts("reasoning-1k-4k-1024-eagle-graphs")) == json.loads(drafts("reasoning-1k-4k-1024-eagle"))
+    assert parser.parse_args(["one", "--engine", "evict", "--suite", "decode", "--out", "x",
+                              *plans["reasoning-1k-4k-1024-eagle-graphs"][0][2]]).max_cudagraph_capture_size == 1024
 
 
 CASES = [  # prompt, max_tokens, decode_budget, decode_every
