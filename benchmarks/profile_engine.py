@@ -159,13 +159,21 @@ def engine_profile(args, out_dir: Path) -> None:
 
     from vllm_evict.engine import engine_kwargs
     from vllm_evict.testing.engines import gpu_defaults
-    from vllm_evict.testing.tiny_models import write_real_config
+    from vllm_evict.testing.tiny_models import tiny_eagle_draft, write_real_config
 
     model = write_real_config(args.config, Path("/tmp/vllm-evict-bench"))
+    extra = {}
+    if args.eagle_drafts:  # serving.py's EAGLE plans: a one-layer dummy draft, vLLM's synthetic acceptance
+        extra["speculative_config"] = {"method": "eagle", "model": str(tiny_eagle_draft(model)),
+                                       "num_speculative_tokens": args.eagle_drafts,
+                                       "draft_load_config": {"load_format": "dummy"},
+                                       "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.5}
+    if args.max_cudagraph_capture_size:
+        extra["compilation_config"] = {"max_cudagraph_capture_size": args.max_cudagraph_capture_size}
     llm = LLM(**engine_kwargs(**gpu_defaults(), model=str(model), load_format="dummy", dtype="bfloat16",
                               gpu_memory_utilization=0.9,
                               block_size=16, max_model_len=args.max_model_len, max_num_batched_tokens=16384, seed=0,
-                              skip_tokenizer_init=True))  # token ids in and out, as serving.py: no detokenizer
+                              skip_tokenizer_init=True, **extra))  # token ids in and out, as serving.py
     engine = llm.llm_engine
     sched = engine.engine_core.engine_core.scheduler
     gen = torch.Generator().manual_seed(0)
@@ -460,6 +468,11 @@ def main():
     ap.add_argument("--profile-steps", type=int, default=0, help="--decode-budget: steps profiled (0: --decode-every)")
     ap.add_argument("--python-profile", action="store_true",
                     help="--decode-budget: also cProfile the host's Python over as many steps")
+    ap.add_argument("--eagle-drafts", type=int, default=0,
+                    help="speculative decoding: an EAGLE draft of one layer (dummy weights) proposing this many "
+                         "tokens a step, accepted at vLLM's synthetic mean length of 2.5")
+    ap.add_argument("--max-cudagraph-capture-size", type=int, default=0,
+                    help="vLLM's compilation_config.max_cudagraph_capture_size (0: vLLM's default, 512 tokens)")
     ap.add_argument("--attention-splits", action="store_true",
                     help="only the per-head FlashAttention call, per shape, head spread and num_splits")
     ap.add_argument("--split-shapes", nargs="+", default=None, help="--attention-splits: BATCH:KV_LEN shapes "

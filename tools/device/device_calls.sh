@@ -48,6 +48,12 @@ declare -A PROFILES=(
   # the host's Python over another interval: where a compaction step's host time goes, uniform against Ada-KV
   [profile-decode-points]="--decode-budget --batch 256 --prompt-len 1024 --kv-len 1024 --policy dropkv
                            --allocation uniform,adakv --max-model-len 5376 --python-profile"
+  # the first with an EAGLE draft (2 drafts, synthetic acceptance; DropKV uniform): at 256 requests its steps
+  # verify 768 tokens and run without CUDA graphs; host phases, device profile and a cProfile of the host,
+  # plain requests against decode-budget ones in the same engine
+  [profile-decode-budget-eagle]="--decode-budget --batch 256 --prompt-len 1024 --kv-len 1024 --policy dropkv
+                                 --allocation uniform --max-model-len 5376 --eagle-drafts 2 --profile-steps 16
+                                 --python-profile"
   # one-shot eviction at 86 x 8K (10%), uniform against Ada-KV decode steps, and plain requests of the kept
   # length (H200 ~150 s)
   [profile-adakv-decode]="--batch 86 --prompt-len 8192 --kv-len 820 --policy snapkv --allocation uniform,adakv
