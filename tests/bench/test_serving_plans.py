@@ -95,16 +95,16 @@ def test_plans_as_documented(serving):
         assert evict_args[: len(vanilla_args)] == vanilla_args and "8192:2048:86" in vanilla_args
     # speculation: both engines run the same drafter (and graph sizes); the evicting one adds its decode budget
     parser = serving.build_parser()
+    parsed = {}  # plan name -> (vanilla's arguments, the evicting engine's), as `one` reads them
     for name in ("ngram", "eagle", "eagle-2", "eagle-by-batch", "eagle-graphs"):
         (_, _, vanilla_args, _), (_, _, evict_args, _) = plans[f"reasoning-1k-4k-1024-{name}"]
-        vanilla, evict = (parser.parse_args(["one", "--engine", "evict", "--suite", "decode", "--out", "x", *extra])
-                          for extra in (vanilla_args, evict_args))
+        assert evict_args[: len(vanilla_args)] == vanilla_args, name
+        vanilla, evict = parsed[name] = tuple(
+            parser.parse_args(["one", "--engine", engine, "--suite", "decode", "--out", "x", *extra])
+            for engine, extra in (("vanilla", vanilla_args), ("evict", evict_args)))
         assert vanilla.speculative_config == evict.speculative_config is not None, name
         assert vanilla.max_cudagraph_capture_size == evict.max_cudagraph_capture_size, name
-        assert evict_args[: len(vanilla_args)] == vanilla_args, name
-    graphs, eagle = (parser.parse_args(["one", "--engine", "vanilla", "--suite", "decode", "--out", "x",
-                                        *plans[f"reasoning-1k-4k-1024-{name}"][0][2]])
-                     for name in ("eagle-graphs", "eagle"))
+    graphs, eagle = parsed["eagle-graphs"][0], parsed["eagle"][0]
     assert graphs.speculative_config == eagle.speculative_config  # the EAGLE plan's drafter, with larger graphs
     assert (graphs.max_cudagraph_capture_size, eagle.max_cudagraph_capture_size) == (1024, None)
 
