@@ -93,6 +93,7 @@ def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: in
 
     layers = [(i, make_cache(scratch_cache(cache_dtype, span * requests, num_kv_heads, page, head_dim, dtype,
                                            device, gen))) for i in range(2)]
+    bytes_per_token_head = token_head_bytes(layers)
     states = []
     for policy in POLICIES:
         for allocation in ALLOCATIONS:
@@ -111,7 +112,7 @@ def warm_up(make_cache, device: torch.device, num_q_heads: int, num_kv_heads: in
                         state.q_window = torch.randn(len(layers), window, num_q_heads, head_dim, generator=gen,
                                                      device=device).to(q_dtype or dtype)
                 # as the engine batches them
-                for together in compaction_batches(batch, len(layers), num_kv_heads, token_head_bytes(layers)):
+                for together in compaction_batches(batch, len(layers), num_kv_heads, bytes_per_token_head):
                     compact_one(together, layers, head_dim ** -0.5)
                 if again:  # next: the decode point one page later, in place over the layout and that page
                     kept_most(batch)
