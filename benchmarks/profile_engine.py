@@ -168,6 +168,7 @@ def engine_profile(args, out_dir: Path) -> None:
                                        "num_speculative_tokens": args.eagle_drafts,
                                        "draft_load_config": {"load_format": "dummy"},
                                        "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.5}
+        extra["async_scheduling"] = False  # decode budgets with speculation: refused under asynchronous scheduling
     if args.max_cudagraph_capture_size:
         extra["compilation_config"] = {"max_cudagraph_capture_size": args.max_cudagraph_capture_size}
     llm = LLM(**engine_kwargs(**gpu_defaults(), model=str(model), load_format="dummy", dtype="bfloat16",

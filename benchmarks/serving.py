@@ -100,6 +100,8 @@ def make_engine(args):
                   skip_tokenizer_init=True, enforce_eager=args.enforce_eager)
     if args.speculative_config:
         kwargs["speculative_config"] = args.speculative_config
+    if args.no_async_scheduling:
+        kwargs["async_scheduling"] = False
     workers = args.tensor_parallel_size * args.pipeline_parallel_size
     if workers > 1:  # worker processes (or Ray actors); the engine core stays here (its scheduler is read)
         kwargs.update(tensor_parallel_size=args.tensor_parallel_size,
@@ -854,6 +856,10 @@ EAGLE_TWO = ["--speculative-config", json.dumps({**json.loads(EAGLE[1]), "num_sp
 # request through an 8B model costs more than the 2.5 it accepts gain (docs/BENCHMARKS.md)
 EAGLE_BY_BATCH = ["--speculative-config", json.dumps({**json.loads(EAGLE[1]), "num_speculative_tokens_per_batch_size":
                                                       [[1, 128, 3], [129, 1024, 0]]})]
+# decode budgets with speculative decoding run under synchronous scheduling (the engine refuses them under vLLM's
+# asynchronous scheduling, which plans a step before the last one's drafts are verified: DESIGN.md §4.8 g);
+# vanilla keeps vLLM's default
+SYNCHRONOUS = ["--no-async-scheduling"]
 # CUDA graphs up to 1,024 tokens (vLLM's default stops at 512): a step of 256 requests with 3 drafts each
 # verifies 1,024 tokens, beyond the default, and runs without graphs in both engines
 GRAPHS_1024 = ["--max-cudagraph-capture-size", "1024"]
@@ -999,8 +1005,8 @@ PLANS = {
     # to 1,024 tokens
     **{f"reasoning-1k-4k-1024-{name}": [
         ("vanilla", "decode", REASONING_ARGS + speculation, 300),
-        ("evict", "decode", REASONING_ARGS + speculation + _decode_configs({"policy": "dropkv", "decode_budget": 1024}),
-         240)]
+        ("evict", "decode", REASONING_ARGS + speculation + SYNCHRONOUS
+         + _decode_configs({"policy": "dropkv", "decode_budget": 1024}), 240)]
        for name, speculation in (("ngram", NGRAM), ("eagle", EAGLE), ("eagle-2", EAGLE_TWO),
                                  ("eagle-by-batch", EAGLE_BY_BATCH), ("eagle-graphs", EAGLE + GRAPHS_1024))},
     # memory-bounded prefill on a pool capped at 64K tokens: vanilla against no / one-shot / block-wise KeyDiff
@@ -1236,6 +1242,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's executor of the workers when there are several (ray: GPU only)")
     o.add_argument("--speculative-config", type=json.loads, default=None,
                    help="vLLM's speculative_config as JSON, e.g. '{\"method\": \"ngram\", ...}'")
+    o.add_argument("--no-async-scheduling", action="store_true",
+                   help="vLLM's --no-async-scheduling (decode budgets with speculative decoding need it: the engine "
+                        "refuses them under asynchronous scheduling)")
     o.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                    help="GPU: vLLM's compilation_config.max_cudagraph_capture_size (tokens; vLLM's default 512), "
                         "so that speculative steps of many requests (requests x (drafts + 1) tokens) replay graphs")

@@ -93,7 +93,8 @@ def test_plans_as_documented(serving):
                                                   *evict_args])
         assert args.allocation.split(",") == ["uniform", "adakv"] and args.policy == policy
         assert evict_args[: len(vanilla_args)] == vanilla_args and "8192:2048:86" in vanilla_args
-    # speculation: both engines run the same drafter (and graph sizes); the evicting one adds its decode budget
+    # speculation: both engines run the same drafter (and graph sizes); the evicting one adds its decode budget and
+    # synchronous scheduling
     parser = serving.build_parser()
     parsed = {}  # plan name -> (vanilla's arguments, the evicting engine's), as `one` reads them
     for name in ("ngram", "eagle", "eagle-2", "eagle-by-batch", "eagle-graphs"):
@@ -104,6 +105,8 @@ def test_plans_as_documented(serving):
             for engine, extra in (("vanilla", vanilla_args), ("evict", evict_args)))
         assert vanilla.speculative_config == evict.speculative_config is not None, name
         assert vanilla.max_cudagraph_capture_size == evict.max_cudagraph_capture_size, name
+        # the engine refuses decode budgets with speculation under asynchronous scheduling; vanilla keeps vLLM's default
+        assert (vanilla.no_async_scheduling, evict.no_async_scheduling) == (False, True), name
     graphs, eagle = parsed["eagle-graphs"][0], parsed["eagle"][0]
     assert graphs.speculative_config == eagle.speculative_config  # the EAGLE plan's drafter, with larger graphs
     assert (graphs.max_cudagraph_capture_size, eagle.max_cudagraph_capture_size) == (1024, None)

@@ -145,3 +145,26 @@ def test_adakv_is_refused(engine):
         check_on_engine(parse_request({"vllm_evict": {"policy": "snapkv", "budget": 0.3, "allocation": "adakv"}}),
                         config)
     check_on_engine(parse_request({"vllm_evict": {"policy": "snapkv", "budget": 0.3}}), config)
+
+
+def test_decode_budget_is_refused_under_asynchronous_scheduling(engine):
+    """Asynchronous scheduling (vLLM's default on CUDA; the CPU platform runs synchronously) plans a step before the
+    last one's drafts are verified, so a decode point cannot be placed on verified tokens: decode budgets are refused
+    there, with the flag that allows them; prompt evictions are placed in prefill, where no step carries drafts."""
+    import copy
+
+    from vllm_evict.engine.layout import check_on_engine
+    from vllm_evict.engine.request_config import parse_request
+
+    synchronous = engine.llm_engine.vllm_config
+    assert not synchronous.scheduler_config.async_scheduling
+    asynchronous = copy.copy(synchronous)
+    asynchronous.scheduler_config = copy.copy(synchronous.scheduler_config)
+    asynchronous.scheduler_config.async_scheduling = True
+    decode_budget = parse_request({"vllm_evict": {"policy": "dropkv", "decode_budget": 48, "decode_every": 32}})
+    with pytest.raises(ValueError, match="--no-async-scheduling"):
+        check_on_engine(decode_budget, asynchronous)
+    check_on_engine(decode_budget, synchronous)
+    check_on_engine(parse_request({"vllm_evict": {"policy": "snapkv", "budget": 0.3}}), asynchronous)
+    check_on_engine(parse_request({"vllm_evict": {"policy": "keydiff", "budget": 0.3, "chunked": True,
+                                                  "chunk_size": 64}}), asynchronous)

@@ -59,8 +59,9 @@ def model_refusal(model_config, scheduler_config=None, speculative_config=None) 
 
 def check_on_engine(spec, vllm_config) -> None:
     """Raise ValueError when an evicting request (request_config.RequestEviction) cannot run on this engine:
-    a model that cannot evict, or a rule that needs the engine's page size or its drafter. Run where requests
-    arrive (the input processor; the OpenAI handlers, before a stream starts), so the client gets a 400."""
+    a model that cannot evict, or a rule that needs the engine's page size, its drafter or its scheduling. Run
+    where requests arrive (the input processor; the OpenAI handlers, before a stream starts), so the client gets
+    a 400."""
     reason = model_refusal(vllm_config.model_config, vllm_config.scheduler_config, vllm_config.speculative_config)
     if reason is not None:
         raise ValueError(f"this model cannot evict: {reason} (send \"policy\": \"none\" or no eviction)")
@@ -70,6 +71,14 @@ def check_on_engine(spec, vllm_config) -> None:
                          f"backend ({stock_layout_backend(vllm_config)}, KV cache dtype "
                          f"{vllm_config.cache_config.cache_dtype}): it evicts in the stock layout only; use "
                          "\"allocation\": \"uniform\"")
+    if spec.decode_budget is not None and vllm_config.speculative_config is not None \
+            and vllm_config.scheduler_config.async_scheduling:
+        # the scheduler plans a step before the last one's drafts are verified: a decode point would land where
+        # all of them are assumed accepted (DESIGN.md §4.8 g)
+        raise ValueError("decode_budget is not supported with speculative decoding under asynchronous scheduling "
+                         "(the engine schedules each step before it knows how many of the last step's draft tokens "
+                         "were accepted, and a decode point must land on verified tokens); start the engine with "
+                         "--no-async-scheduling to evict while decoding, or send no decode_budget")
     if drafts_with_kv_cache(vllm_config.speculative_config) and spec.config.allocation != "uniform":
         raise ValueError(f"allocation {spec.config.allocation!r} is not supported with a draft model that keeps "
                          f"its own KV cache (speculative method {vllm_config.speculative_config.method!r}): its "
