@@ -2,8 +2,9 @@
 with a draft of one layer (both dummy weights), plain, one-shot evicting and decode-budget requests in one
 batch, all submitted at once. Checks that every request finishes without an error and prints the wall time,
 the output tokens per second and the drafts accepted. Dummy weights accept few drafts, so this checks the
-path (co-compaction of the draft's KV cache, asynchronous scheduling, CUDA graphs), not speculation's
-speed-up. The draft (--method): an EAGLE layer of the target's shape, an EAGLE3 layer (GPT-OSS), or the
+path (co-compaction of the draft's KV cache, CUDA graphs), not speculation's speed-up. It runs under
+synchronous scheduling, which decode budgets with speculation need (the engine refuses them under vLLM's
+asynchronous scheduling, DESIGN.md §4.8 g). The draft (--method): an EAGLE layer of the target's shape, an EAGLE3 layer (GPT-OSS), or the
 model's own MTP layer (Qwen3-Next).
 
   python benchmarks/speculative.py --config llama-3.1-8b --batch 48 --prompt-len 8192 --max-tokens 512
@@ -51,7 +52,8 @@ def main() -> None:
     started = time.time()
     llm = LLM(**engine_kwargs(**gpu_defaults(), model=str(model), load_format="dummy", dtype="bfloat16",
                               gpu_memory_utilization=0.9, block_size=16, seed=0, disable_log_stats=False,
-                              max_model_len=args.prompt_len + args.max_tokens + 64, speculative_config=speculation))
+                              max_model_len=args.prompt_len + args.max_tokens + 64, speculative_config=speculation,
+                              async_scheduling=False))
     start_s = time.time() - started
     gen = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, 1000, (args.prompt_len,), generator=gen).tolist()}
