@@ -50,7 +50,8 @@ declare -A PROFILES=(
                            --allocation uniform,adakv --max-model-len 5376 --python-profile"
   # the first with an EAGLE draft (2 drafts, synthetic acceptance; DropKV uniform): at 256 requests its steps
   # verify 768 tokens and run without CUDA graphs; host phases, device profile and a cProfile of the host,
-  # plain requests against decode-budget ones in the same engine
+  # plain requests against decode-budget ones in the same engine (synchronous scheduling, which decode budgets
+  # with speculation need)
   [profile-decode-budget-eagle]="--decode-budget --batch 256 --prompt-len 1024 --kv-len 1024 --policy dropkv
                                  --allocation uniform --max-model-len 5376 --eagle-drafts 2 --profile-steps 16
                                  --python-profile"
