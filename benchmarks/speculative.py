@@ -4,8 +4,8 @@ batch, all submitted at once. Checks that every request finishes without an erro
 the output tokens per second and the drafts accepted. Dummy weights accept few drafts, so this checks the
 path (co-compaction of the draft's KV cache, CUDA graphs), not speculation's speed-up. It runs under
 synchronous scheduling, which decode budgets with speculation need (the engine refuses them under vLLM's
-asynchronous scheduling, DESIGN.md §4.8 g). The draft (--method): an EAGLE layer of the target's shape, an EAGLE3 layer (GPT-OSS), or the
-model's own MTP layer (Qwen3-Next).
+asynchronous scheduling, DESIGN.md §4.8 g). The draft (--method): an EAGLE layer of the target's shape, an
+EAGLE3 layer (GPT-OSS), or the model's own MTP layer (Qwen3-Next).
 
   python benchmarks/speculative.py --config llama-3.1-8b --batch 48 --prompt-len 8192 --max-tokens 512
   python benchmarks/speculative.py --config gpt-oss-20b --method eagle3
