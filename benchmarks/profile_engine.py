@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -164,10 +165,11 @@ def engine_profile(args, out_dir: Path) -> None:
     model = write_real_config(args.config, Path("/tmp/vllm-evict-bench"))
     extra = {}
     if args.eagle_drafts:  # serving.py's EAGLE plans: a one-layer dummy draft, vLLM's synthetic acceptance
-        extra["speculative_config"] = {"method": "eagle", "model": str(tiny_eagle_draft(model)),
-                                       "num_speculative_tokens": args.eagle_drafts,
-                                       "draft_load_config": {"load_format": "dummy"},
-                                       "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.5}
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import serving  # benchmarks/serving.py
+
+        extra["speculative_config"] = {**json.loads(serving.EAGLE[1]), "model": str(tiny_eagle_draft(model)),
+                                       "num_speculative_tokens": args.eagle_drafts}
         extra["async_scheduling"] = False  # decode budgets with speculation: refused under asynchronous scheduling
     if args.max_cudagraph_capture_size:
         extra["compilation_config"] = {"max_cudagraph_capture_size": args.max_cudagraph_capture_size}
