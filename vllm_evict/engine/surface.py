@@ -70,6 +70,15 @@ SURFACE: dict[str, dict[str, str]] = {
         "vllm.v1.attention.ops.triton_turboquant_store:triton_turboquant_store":
             "key, value, kv_cache, slot_mapping, PiT, midpoints, mse_bits, key_packed_size, value_quant_bits, "
             "key_fp8=",
+        # turboquant_backend.py: 4-bit decode rows through kernels/turboquant_decode.py, reduced by vLLM's stage 2
+        # into the scratch buffers of vLLM's own decode
+        "vllm.v1.attention.backends.turboquant_attn:TurboQuantAttentionImpl._decode_attention":
+            "self, query, kv_cache, attn_metadata, Pi, centroids, PiT=, layer=",
+        "vllm.v1.attention.ops.triton_decode_attention:_fwd_kernel_stage2":
+            "Mid_O, o, lse, B_Seqlen, stride_mid_ob, stride_mid_oh, stride_mid_os, stride_obs, stride_oh, "
+            "stride_lse_bs, NUM_KV_SPLITS, BLOCK_DV, Lv, OUTPUT_FP16=",
+        "vllm.v1.worker.workspace:current_workspace_manager": "",
+        "vllm.v1.worker.workspace:is_workspace_manager_initialized": "",
         # plugin.py: request validation in the API process
         "vllm.v1.engine.input_processor:InputProcessor._validate_params": "self, params, supported_tasks",
         "vllm.v1.engine.input_processor:InputProcessor.process_inputs":
@@ -140,7 +149,8 @@ SURFACE: dict[str, dict[str, str]] = {
 def shape_of(obj) -> str:
     """Parameter names, kinds and defaults of a callable: 'self, a, b=, *args, **kwargs'."""
     parts = []
-    for p in inspect.signature(obj).parameters.values():
+    kernel = getattr(obj, "fn", None)  # a Triton kernel (JITFunction): its Python function's parameters
+    for p in inspect.signature(kernel if callable(kernel) else obj).parameters.values():
         if p.kind is p.VAR_POSITIONAL:
             parts.append("*" + p.name)
         elif p.kind is p.VAR_KEYWORD:

@@ -11,8 +11,10 @@ attention unquantized, so the window queries are the layer's own.
 
 vLLM keeps the first and last two layers of a dense model in the model dtype (its boundary layers, run by
 FlashAttention) in the same KV cache group and block table as the TurboQuant layers: compaction keeps the
-two layouts in separate layer groups (compaction.layer_groups). Attention is vLLM's own. Ada-KV's per-head
-path is not built on this backend: check_on_engine refuses Ada-KV here, as on TRITON_ATTN.
+two layouts in separate layer groups (compaction.layer_groups). Attention is vLLM's own, except for decode
+rows on 4-bit presets (`turboquant_4bit_nc`; decode_attention): kernels/turboquant_decode.py decodes each slot
+once per KV head where vLLM's decode does so once per query head, and vLLM's own kernel reduces its splits.
+Ada-KV's per-head path is not built on this backend: check_on_engine refuses Ada-KV here, as on TRITON_ATTN.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import triton
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
 from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
@@ -29,11 +32,14 @@ from vllm.v1.attention.backends.turboquant_attn import (
     TurboQuantMetadataBuilder,
     _build_hadamard,
 )
+from vllm.v1.attention.ops.triton_decode_attention import _fwd_kernel_stage2
+from vllm.v1.worker.workspace import current_workspace_manager, is_workspace_manager_initialized
 
 from vllm_evict.engine.attention import EvictionAttentionMixin, EvictionMetadataBuilderMixin, decode_graph_tables
 from vllm_evict.engine.hnd_cache import HndPagedCache
 from vllm_evict.engine.layout import is_turboquant
 from vllm_evict.engine.step import BUILD
+from vllm_evict.kernels import turboquant_decode
 from vllm_evict.kernels.turboquant_slots import dequantize_slots
 
 
@@ -71,6 +77,23 @@ class TurboQuantPagedCache(HndPagedCache):
         return key, value, queries
 
 
+def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     config, centroids: torch.Tensor, rotation_t: torch.Tensor, scale: float,
+                     partials: torch.Tensor, output: torch.Tensor, lse: torch.Tensor, **launch) -> torch.Tensor:
+    """output [B, Hq, D] (its dtype: the query's) of decode rows query [B, Hq, D]: the split partials of
+    kernels/turboquant_decode.decode_partials (same arguments), reduced by vLLM's stage-2 kernel into output and
+    lse [B, Hq] (the log-sum-exp), as vLLM's TurboQuant decode reduces its own."""
+    B, Hq, D = query.shape
+    turboquant_decode.decode_partials(query, kv_cache, block_table, seq_lens, config, centroids, rotation_t, scale,
+                                      partials, **launch)
+    _fwd_kernel_stage2[(B, Hq)](
+        partials, output, lse, seq_lens, partials.stride(0), partials.stride(1), partials.stride(2),
+        output.stride(0), output.stride(1), lse.stride(0), NUM_KV_SPLITS=partials.shape[2],
+        BLOCK_DV=triton.next_power_of_2(D), Lv=D, OUTPUT_FP16=int(output.dtype == torch.float16), num_warps=4,
+        num_stages=2)
+    return output
+
+
 def store(kv_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor,
           cache_dtype: str) -> None:
     """Write keys/values [n, H, D] at slot_mapping [n] of a TurboQuant cache [num_blocks, H, N, S] with vLLM's
@@ -95,6 +118,22 @@ class EvictTurboQuantAttentionImpl(EvictionAttentionMixin, TurboQuantAttentionIm
 
     def _stock_attention(self, layer, query, key, value, kv_cache, md, output) -> None:
         TurboQuantAttentionImpl.forward(self, layer, query, key, value, kv_cache, md, output)
+
+    def _decode_attention(self, query, kv_cache, attn_metadata, Pi, centroids, PiT=None, layer=None):
+        """Decode rows on a 4-bit preset through decode_attention (vLLM's own decode on the others). The
+        scratch buffers are those vLLM's decode takes from its workspace (the same shapes, so CUDA graphs
+        capture them alike)."""
+        if not turboquant_decode.supports(self.tq_config):
+            return TurboQuantAttentionImpl._decode_attention(self, query, kv_cache, attn_metadata, Pi, centroids,
+                                                             PiT, layer)
+        B, Hq, D, splits = query.shape[0], self.num_heads, self.head_size, self.max_num_kv_splits
+        shapes = (((B, Hq, splits, D + 1), torch.float32), ((B, Hq, D), query.dtype), ((B, Hq), torch.float32))
+        if is_workspace_manager_initialized():
+            partials, output, lse = current_workspace_manager().get_simultaneous(*shapes)
+        else:
+            partials, output, lse = (torch.empty(shape, dtype=dtype, device=query.device) for shape, dtype in shapes)
+        return decode_attention(query, kv_cache, attn_metadata.block_table, attn_metadata.seq_lens, self.tq_config,
+                                centroids, Pi.T if PiT is None else PiT, self.scale, partials, output, lse)
 
 
 class EvictTurboQuantMetadataBuilder(EvictionMetadataBuilderMixin, TurboQuantMetadataBuilder):
