@@ -37,6 +37,8 @@ import triton.language as tl
 
 from vllm_evict.kernels.turboquant_slots import dequantize_slots_reference
 
+# the fastest launch on an H100 (kernels/NOTES.md), with one stage: Triton's software pipelining of the tile loop
+# made it 3-4x slower
 BLOCK_N = 16   # tokens a tile
 NUM_WARPS = 1
 
