@@ -31,7 +31,7 @@ def check(device: str, seed: int, dtypes=(torch.float32,)) -> None:
     from vllm_evict.kernels.turboquant_decode import decode_attention_reference
 
     gen = torch.Generator().manual_seed(seed)
-    # 300 tokens: splits of 38, two tiles each (the online softmax's rescaling); 1 token: seven empty splits
+    # 300 tokens: splits of 38, three tiles each (the online softmax's rescaling); 1 token: seven empty splits
     seq_lens = torch.tensor([1, 37 + seed, 300], dtype=torch.int32)
     B = seq_lens.numel()
     table = torch.stack([torch.randperm(NUM_BLOCKS, generator=gen)[:19] for _ in range(B)]).to(torch.int32)

@@ -81,8 +81,9 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      config, centroids: torch.Tensor, rotation_t: torch.Tensor, scale: float,
                      partials: torch.Tensor, output: torch.Tensor, lse: torch.Tensor, **launch) -> torch.Tensor:
     """output [B, Hq, D] (its dtype: the query's) of decode rows query [B, Hq, D]: the split partials of
-    kernels/turboquant_decode.decode_partials (same arguments), reduced by vLLM's stage-2 kernel into output and
-    lse [B, Hq] (the log-sum-exp), as vLLM's TurboQuant decode reduces its own."""
+    kernels/turboquant_decode.decode_partials (same arguments; `launch`: its block_n and num_warps, which
+    benchmarks/turboquant_decode.py compares), reduced by vLLM's stage-2 kernel into output and lse [B, Hq]
+    (the log-sum-exp), as vLLM's TurboQuant decode reduces its own."""
     B, Hq, D = query.shape
     turboquant_decode.decode_partials(query, kv_cache, block_table, seq_lens, config, centroids, rotation_t, scale,
                                       partials, **launch)
