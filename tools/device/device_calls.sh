@@ -6,11 +6,10 @@
 # packed for the way back). See tools/device/README.md.
 #
 # Here, once (needs PyPI; both are ignored by git):
-#     build the vLLM GPU bundle                   # -> .vllm-gpu/part1, part2 (58 MB each; tools/device/README.md)
+#     build the vLLM GPU bundle, then python tools/device/repack_bundle.py   # -> .vg/p1..p5 (tools/device/README.md)
 #     bash tools/device/quality_gpu.sh prepare     # -> .quality-gpu/part1, part2 (48 MB each: the GGUF halves)
 # A fresh machine:
-#     carry=[".vllm-gpu/part1"]  bash .vllm-gpu/part1/stage.sh                                        ~40 s
-#     carry=[".vllm-gpu/part2"]  bash .vllm-gpu/part2/stage.sh                                        ~60 s
+#     carry=[".vg/pK"]  bash .vg/pK/stage.sh            K = 1..5, one call each (0.2-19 s on a warm machine)
 # then calls such as
 #     [carry=[".quality-gpu/partK"]  STAGE_GGUF=.quality-gpu/partK]  bash tools/device/device_calls.sh PLAN...
 #

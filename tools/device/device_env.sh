@@ -1,8 +1,8 @@
 # Source on the GPU device machine (repo root: `source tools/device/device_env.sh`) after staging the vLLM
-# bundle (.vllm-gpu/part*, tools/device/README.md):
+# bundle (.vg/p*, tools/device/README.md):
 # puts vLLM, this checkout and a dist-info for the plugin's `vllm.general_plugins` entry point on the path
 # (pip cannot install the package there: no registry).
-[ -f /tmp/vsite/READY ] || { echo "vLLM bundle missing: stage .vllm-gpu/part* first (fresh machine?)"; return 2; }
+[ -f /tmp/vsite/READY ] || { echo "vLLM bundle missing: stage .vg/p* first (fresh machine?)"; return 2; }
 _d=/tmp/vsite-evict/vllm_evict-0.1.0.dist-info
 mkdir -p "$_d"
 printf 'Metadata-Version: 2.1\nName: vllm-evict\nVersion: 0.1.0\n' > "$_d/METADATA"

@@ -6,14 +6,14 @@
 # working tree, so the 98 MB GGUF travels in two parts (< 64 MiB each) together with a `gguf` wheel, is
 # joined and checksummed there, and converted there (transformers is in the GPU image; the gguf and
 # accelerate wheels travel with the first part).
-# vLLM itself travels as the split vLLM GPU bundle (.vllm-gpu/part*, tools/device/README.md).
+# vLLM itself travels as the split vLLM GPU bundle (.vg/p*, tools/device/README.md).
 #
 # Here (repo root, needs PyPI; once):
-#     build the vLLM GPU bundle                           # -> .vllm-gpu/part1..N (tools/device/README.md)
+#     build the vLLM GPU bundle, then repack_bundle.py   # -> .vg/p1..pN (tools/device/README.md)
 #     bash tools/device/quality_gpu.sh prepare              # -> .quality-gpu/part1, part2
 # Remote commands, back to back (a machine goes back after ~30 s idle and after 30 minutes held; a fresh one
 # needs all parts again, and the files of an unfinished run stay on the old one):
-#     run(carry=[".vllm-gpu/partK"], command="bash .vllm-gpu/partK/stage.sh")            # K = 1..N
+#     run(carry=[".vg/pK"], command="bash .vg/pK/stage.sh")                             # K = 1..N
 #     run(carry=[".quality-gpu/part1"], command="bash tools/device/quality_gpu.sh stage .quality-gpu/part1")
 #     run(carry=[".quality-gpu/part2"], command="bash tools/device/quality_gpu.sh stage .quality-gpu/part2; bash tools/device/quality_gpu.sh run")
 #     run(command="bash tools/device/quality_gpu.sh run")   # repeat until it prints "quality: complete"
