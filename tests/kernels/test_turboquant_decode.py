@@ -5,8 +5,8 @@ TurboQuant decode.
 Fresh random `turboquant_4bit_nc` slots at head sizes 64 and 128 in a head-major cache viewed as vLLM's kernels
 take it, shuffled block tables, requests of 1 token (most KV splits empty) up to 300 tokens (several tiles a
 split, splits that start inside a page), GQA groups of 4, 3 (padded) and 1, with and without vLLM's norm
-correction. CPU (CI, the slow suite): the kernels in the Triton interpreter (subprocess). GPU (``-m gpu``):
-compiled, float32 and bf16 queries."""
+correction; and the engine's attention impl against vLLM's own decode method. CPU (CI, the slow suite): the
+kernels in the Triton interpreter (subprocess). GPU (``-m gpu``): compiled, float32 and bf16 queries."""
 
 from __future__ import annotations
 
@@ -63,6 +63,37 @@ def check(device: str, seed: int, dtypes=(torch.float32,)) -> None:
                     config.effective_value_quant_bits, key_fp8=config.key_fp8,
                     norm_correction=config.norm_correction, max_num_kv_splits=SPLITS)
                 torch.testing.assert_close(got, vllm, **tol, msg=lambda m: f"{name} vs vLLM: {m}")
+    check_engine_decode(device, gen, seq_lens, table)
+
+
+def check_engine_decode(device: str, gen: torch.Generator, seq_lens: torch.Tensor, table: torch.Tensor) -> None:
+    """The engine's attention impl (`EvictTurboQuantAttentionImpl._decode_attention`, as vLLM's forward calls it)
+    against vLLM's own method on the same impl: close on 4bit_nc (the engine's kernel), equal on k8v4 (vLLM's
+    kernel on both sides). The rotation is a random orthogonal matrix, not the symmetric Hadamard, so a rotation
+    passed untransposed shows."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
+    from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
+    from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionImpl
+
+    from vllm_evict.engine.turboquant_backend import EvictTurboQuantAttentionImpl
+
+    D, Hq, Hk = 128, 8, 2
+    rotation = torch.linalg.qr(torch.randn(D, D, generator=gen))[0].to(device)
+    metadata = SimpleNamespace(block_table=table.to(device), seq_lens=seq_lens.to(device))
+    query = torch.randn(seq_lens.numel(), Hq, D, generator=gen).to(device)
+    for preset, tol in (("turboquant_4bit_nc", dict(rtol=1e-4, atol=1e-4)), ("turboquant_k8v4", dict(rtol=0, atol=0))):
+        impl = object.__new__(EvictTurboQuantAttentionImpl)  # the fields both decodes read
+        impl.tq_config = TurboQuantConfig.from_cache_dtype(preset, D)
+        impl.num_heads, impl.head_size, impl.max_num_kv_splits, impl.scale = Hq, D, SPLITS, D ** -0.5
+        centroids = get_centroids(D, impl.tq_config.centroid_bits).float().to(device)
+        kv = random_slots(impl.tq_config, (NUM_BLOCKS, Hk, N), gen, False).to(device).transpose(1, 2)
+        q = query * (0.02 if impl.tq_config.key_fp8 else 1.0)
+        args = (q, kv, metadata, rotation, centroids, rotation.T.contiguous())
+        expected = TurboQuantAttentionImpl._decode_attention(impl, *args)
+        torch.testing.assert_close(impl._decode_attention(*args), expected, **tol,
+                                   msg=lambda m: f"{preset}: the engine's decode against vLLM's: {m}")
 
 
 @pytest.mark.slow  # interpreted kernels (vLLM's decode too); CI runs it with -m slow
