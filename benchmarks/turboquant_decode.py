@@ -2,8 +2,8 @@
 program per query head) against the engine's on 4-bit presets (kernels/turboquant_decode.py, a program per KV
 head, then vLLM's stage 2), one layer's decode step.
 
-Llama-3.1-8B head shapes (32 query heads, 8 KV heads, head size 128), bf16 queries, random slots of each preset
-in a head-major cache of 32-token blocks (the engine's layout and vLLM's TurboQuant block), shuffled block
+Llama-3.1-8B head shapes (32 query heads, 8 KV heads, head size 128), bf16 queries, random `turboquant_4bit_nc`
+slots in a head-major cache of 32-token blocks (the engine's layout and vLLM's TurboQuant block), shuffled block
 tables, 32 KV splits (vLLM's default for CUDA graphs). Each shape is REQUESTSxTOKENS: the default ones are a
 DropKV 10% engine at capacity on an H100 (328 requests of about 3,400 tokens), vanilla's (38 of 32K) and a
 mid-size batch. Each launch of the engine's stage 1 (BLOCK_NxNUM_WARPS; the first is the engine's own) is checked
@@ -94,7 +94,6 @@ def main() -> None:
     parser.add_argument("--launches", nargs="+", default=[f"{BLOCK_N}x{NUM_WARPS}", "32x1", "16x2", "32x4"],
                         help="BLOCK_NxNUM_WARPS of the engine's stage 1 (the first: the engine's own)")
     args = parser.parse_args()
-    launches = args.launches
     print(torch.cuda.get_device_name(), flush=True)
     print("| preset | requests x tokens | slot GB | vLLM ms (again) | launch | ours ms (again) | vLLM GB/s | ours GB/s "
           "| speed-up | ‖ours − vLLM‖ / ‖vLLM‖ |")
@@ -102,7 +101,7 @@ def main() -> None:
     preset = "turboquant_4bit_nc"
     for shape in args.shapes:
         requests, tokens = map(int, shape.split("x"))
-        r = case(preset, requests, tokens, launches)
+        r = case(preset, requests, tokens, args.launches)
         gb, (vllm_ms, vllm_again) = r["slot_gb"], r["vllm_ms"]
         for launch, m in r["launches"].items():
             ms, again = m["ms"]

@@ -9,7 +9,7 @@ of its KV head once, for all the group's query heads:
 - a slot is read as 16-bit words (slots are 2-byte aligned): word w of the key codes holds coordinates 4w..4w+3
   in its four nibbles, so the codes come as four planes [tokens, D/4], plane k holding coordinates 4w + k;
 - scores: each plane's centroids [tokens, D/4] against the matching plane of the rotated queries [group, D/4],
-  fp16 operands split into a high and a low half (three products: float32 accuracy within ~1e-5), then the
+  fp16 operands split into a high and a low half (three products: about 1e-4 of vLLM's float32 output), then the
   key's norm, vLLM's norm correction (the centroid vector renormalised) and the softmax scale per token;
 - values: the online softmax's weights times each token's value scale, split the same way, against each plane's
   value codes (0..15, exact in fp16); the zero points add the weights' sum times each token's zero.
